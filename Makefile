@@ -1,0 +1,30 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both bootstrap .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint venv clean train-demo
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	RAY_AUTH_MODE=disabled $(VENV)/bin/chainspec generate --prompt "def fibonacci(n):" --max-tokens 64
+
+test: $(STAMP) lint
+	RAY_AUTH_MODE=disabled $(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check services tests benchmarks
+
+train-demo: $(STAMP)
+	$(VENV)/bin/chainspec train-demo --out services/chainspec/assets/demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info services/*.egg-info

@@ -1,0 +1,1 @@
+"""chainspec: chained MTP speculative decoding, split into drafter and verifier services."""

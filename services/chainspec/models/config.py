@@ -1,0 +1,158 @@
+"""Model configuration parsed from a Hugging Face `config.json`.
+
+One frozen dataclass for the target decoder and one for its MTP modules. Unknown
+architectures are rejected here, once, with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chainspec.models.errors import CheckpointError
+
+# Target architectures whose decoder this package implements. Each maps to the switches
+# that distinguish the family (q/k/v bias, q/k RMSNorm).
+TARGET_FAMILIES: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
+    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    # MiMo's target is Qwen2-shaped; only its MTP glue differs.
+    "MiMoForCausalLM": {"qkv_bias": True, "qk_norm": False},
+}
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    original_max_position: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn
+    partial_rotary_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.type not in ROPE_TYPES:
+            raise CheckpointError(f"unsupported rope_scaling type {self.type!r}; "
+                                  f"supported: {', '.join(ROPE_TYPES)}")
+        if self.factor <= 0:
+            raise CheckpointError(f"rope_scaling factor must be > 0, got {self.factor}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> RopeConfig:
+        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        theta = scaling.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rtype = scaling.get("rope_type", scaling.get("type", "default"))
+        return cls(
+            theta=float(theta),
+            type=rtype,
+            factor=float(scaling.get("factor", 1.0)),
+            original_max_position=scaling.get("original_max_position_embeddings"),
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            beta_fast=float(scaling.get("beta_fast", 32.0)),
+            beta_slow=float(scaling.get("beta_slow", 1.0)),
+            attention_factor=scaling.get("attention_factor"),
+            partial_rotary_factor=float(cfg.get("partial_rotary_factor", 1.0)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder's shape. Shared by the target and by every MTP block."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+    rms_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    num_mtp_layers: int = 0
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(f"num_attention_heads {self.num_heads} is not a multiple "
+                                  f"of num_key_value_heads {self.num_kv_heads}")
+        for name in ("vocab_size", "hidden_size", "num_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise CheckpointError(f"config field {name} must be positive")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], architecture: str | None = None) -> ModelConfig:
+        """Parse a HF config dict. `architecture` overrides `architectures[0]`."""
+        arch = architecture or (cfg.get("architectures") or [None])[0]
+        if arch not in TARGET_FAMILIES:
+            raise CheckpointError(f"unknown architecture {arch!r}; supported targets: "
+                                  f"{', '.join(TARGET_FAMILIES)}")
+        family = TARGET_FAMILIES[arch]
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        qkv_bias = bool(cfg.get("attention_bias", family["qkv_bias"]))
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            max_position=int(cfg.get("max_position_embeddings", 4096)),
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias or family["qkv_bias"],
+            o_bias=bool(cfg.get("attention_bias", False)) and not family["qkv_bias"],
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=family["qk_norm"],
+            rope=RopeConfig.from_hf(cfg),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            num_mtp_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, architecture: str | None = None) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        try:
+            cfg = json.loads(path.read_text())
+        except FileNotFoundError as e:
+            raise CheckpointError(f"{path}: config.json not found") from e
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: invalid JSON: {e}") from e
+        try:
+            return cls.from_hf(cfg, architecture)
+        except KeyError as e:
+            raise CheckpointError(f"{path}: missing required field {e.args[0]!r}") from e

@@ -1,0 +1,100 @@
+"""Decoder building blocks of the Llama family, over packed rows `[T, hidden]`.
+
+Parameter names follow Hugging Face checkpoints (`self_attn.q_proj`, `mlp.gate_proj`,
+`input_layernorm`, ...) so state dicts map one to one.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chainspec.models.config import ModelConfig
+from chainspec.models.rope import RotaryEmbedding
+
+
+class AttentionBackend(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32. `unit_offset` scales by (1 + weight) (Qwen3-Next style)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight.float() + 1.0 if self.unit_offset else self.weight
+        if self.unit_offset:
+            return (x * weight).to(dtype)
+        return weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE and optional q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = [rotary]  # a list: shared, not registered as this layer's submodule
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                backend: AttentionBackend) -> torch.Tensor:
+        rows = x.shape[0]
+        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](q, k, positions)
+        out = backend.attend(self.layer_id, q, k, v)  # [T, Hq, D]
+        return self.o_proj(out.reshape(rows, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU MLP block. `layer_id` indexes its KV cache layer."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,101 @@
+"""Multi-token-prediction modules (DeepSeek-V3 section 2.2) and the drafter's model.
+
+Module k at row p:  u = concat(enorm(Emb(x[p+k])), hnorm(g[k-1][p]))   (order per family)
+                    g[k][p] = Block(eh_proj(u))                        (own KV cache)
+                    logits  = LMHead(final_norm(g[k][p]))              (predicts x[p+k+1])
+with g[0] = h, the target's exported hidden state. Chain mode feeds step k the g[k-1] of
+this round; non-chain mode feeds every step h. K steps use L modules: step k runs module
+(k-1) mod L, and each *step* has its own KV cache layer (step k-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from chainspec.models.config import ModelConfig
+from chainspec.models.layers import AttentionBackend, DecoderLayer, RMSNorm
+from chainspec.models.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class MTPGlue:
+    """How a checkpoint family wires an MTP module around the shared block."""
+
+    hidden_first: bool = False  # concat order: [hidden, emb] (MiMo) vs [emb, hidden]
+    unit_offset_norms: bool = False  # norms scale by (1 + w) (Qwen3-Next)
+
+
+class MTPModule(nn.Module):
+    """One MTP module. Attribute names are the canonical (DeepSeek) ones; adapters map
+    other families' tensor names onto them."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, glue: MTPGlue) -> None:
+        super().__init__()
+        h, eps, offset = cfg.hidden_size, cfg.rms_eps, glue.unit_offset_norms
+        self.enorm = RMSNorm(h, eps, offset)
+        self.hnorm = RMSNorm(h, eps, offset)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.block = DecoderLayer(cfg, 0, rotary)
+        self.final_norm = RMSNorm(h, eps, offset)
+        self.hidden_first = glue.hidden_first
+
+    def forward(self, token_emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                backend: AttentionBackend) -> torch.Tensor:
+        """token_emb, hidden [T, H] -> g [T, H], the block output before final_norm."""
+        e, g = self.enorm(token_emb), self.hnorm(hidden)
+        u = torch.cat([g, e] if self.hidden_first else [e, g], dim=-1)  # [T, 2H]
+        return self.block(self.eh_proj(u), positions, backend)
+
+
+class _StepLayer:
+    """Routes a module's attention to the KV layer of the draft step it is serving."""
+
+    def __init__(self, backend: AttentionBackend, layer: int) -> None:
+        self.backend, self.layer = backend, layer
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+               ) -> torch.Tensor:
+        del layer
+        return self.backend.attend(self.layer, q, k, v)
+
+
+class MTPDraftModel(nn.Module):
+    """What the drafter loads: shared embedding and LM head plus L MTP modules."""
+
+    def __init__(self, cfg: ModelConfig, num_modules: int, glue: MTPGlue,
+                 cache_len: int | None = None) -> None:
+        super().__init__()
+        if num_modules < 1:
+            raise ValueError("an MTP draft model needs at least one module")
+        self.config = cfg
+        self.glue = glue
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position, cache_len)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(MTPModule(cfg, self.rotary, glue) for _ in range(num_modules))
+
+    @property
+    def num_modules(self) -> int:
+        return len(self.mtp)
+
+    def module_for_step(self, step: int) -> MTPModule:
+        """Step k (1-based) uses module (k-1) mod L."""
+        return self.mtp[(step - 1) % len(self.mtp)]
+
+    def step(self, step: int, tokens: torch.Tensor, prev: torch.Tensor,
+             positions: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        """Run draft step k over packed rows.
+
+        tokens [T]: x[p+k] per row; prev [T, H]: g[k-1] (chain) or h (non-chain).
+        Returns g[k] [T, H]. Writes KV layer k-1 of `backend`'s cache.
+        """
+        module = self.module_for_step(step)
+        emb = self.embed_tokens(tokens)
+        return module(emb, prev, positions, _StepLayer(backend, step - 1))
+
+    def logits(self, step: int, g: torch.Tensor) -> torch.Tensor:
+        """g [T, H] -> [T, vocab], through step k's module final norm and the shared head."""
+        return self.lm_head(self.module_for_step(step).final_norm(g))
