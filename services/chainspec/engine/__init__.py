@@ -1,0 +1,1 @@
+"""The speculative engine: drafter, verifier, acceptance. Transport-agnostic."""

@@ -1,0 +1,129 @@
+"""The per-round description of a drafter batch: windows packed into rows.
+
+A *window* is one sequence's rows for this round (DESIGN 3.2): up to K-1 history rows
+recomputed from committed inputs, then the rows the update brought. Row p carries the
+pair (h_p, x[p+1]); the window's token stream is x[w0+1 .. N'] followed by this round's
+drafts, so module k reads token stream[r + k - 1] at window row r.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from chainspec.models.attention import AttnBatch
+
+
+@dataclass(frozen=True)
+class Window:
+    slot: int
+    first_pos: int  # w0: position of the window's first row
+    hidden: torch.Tensor  # [R, H]: h[w0 .. w0+R-1]
+    tokens: torch.Tensor  # [R] int64: x[w0+1 .. w0+R]
+    temperature: float = 0.0  # 0 = greedy drafts
+    noise: torch.Tensor | None = None  # [K, k] Exp(1) noise for sampled drafts
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """Tensors one draft round reads. `tokens` also receives the drafts (in place)."""
+
+    attn: AttnBatch
+    hidden: torch.Tensor  # [T, H]
+    tokens: torch.Tensor  # [S * W] int64: each sequence's token stream, stride W
+    row_tok: torch.Tensor  # [T] int64: index of x[p+1] in `tokens` for each row
+    last_row: torch.Tensor  # [S] int64: packed index of each sequence's last row
+    last_tok: torch.Tensor  # [S] int64: index of x[N'] in `tokens`
+    temperature: torch.Tensor  # [S] float32, 0 = greedy
+    noise: torch.Tensor  # [S, K, k] float32 Exp(1) noise
+
+
+@dataclass(frozen=True)
+class PackedIndex:
+    """Host-side index arrays of a packing, shared by the compact and the static layout."""
+
+    positions: list[int]
+    slot_mapping: list[int]
+    seq_slots: list[int]
+    row_index: list[list[int]]
+    row_seq: list[int]
+    row_offset: list[int]
+    row_tok: list[int]
+    last_row: list[int]
+    last_tok: list[int]
+
+
+def pack_index(windows: Sequence[Window], num_steps: int, stride: int | None = None,
+               num_seqs: int | None = None) -> PackedIndex:
+    """Index arrays for `windows`. With `stride`, sequence s owns rows [s*stride, (s+1)*stride)
+    and there are `num_seqs` sequences (padding rows and sequences get slot -1); without,
+    rows are packed back to back."""
+    num_seqs = num_seqs if stride else len(windows)
+    tok_stride = (stride or max(w.num_rows for w in windows)) + num_steps
+    idx = PackedIndex([], [], [], [], [], [], [], [], [])
+    for s in range(num_seqs):
+        w = windows[s] if s < len(windows) else None
+        real = w.num_rows if w else 0
+        rows = stride or real
+        base = len(idx.positions)
+        idx.seq_slots.append(w.slot if w else -1)
+        for r in range(rows):
+            ok = r < real
+            idx.positions.append(w.first_pos + r if ok else 0)
+            idx.slot_mapping.append(w.slot if ok else -1)
+            idx.row_seq.append(s)
+            idx.row_offset.append(r)
+            idx.row_tok.append(s * tok_stride + (r if ok else 0))
+        idx.row_index.append(list(range(base, base + rows)))
+        idx.last_row.append(base + max(real - 1, 0))
+        idx.last_tok.append(s * tok_stride + max(real - 1, 0))
+    if not stride:  # ragged: pad row_index with the sentinel row T
+        qmax = max(len(r) for r in idx.row_index)
+        total = len(idx.positions)
+        idx.row_index[:] = [r + [total] * (qmax - len(r)) for r in idx.row_index]
+    return idx
+
+
+def token_stream(windows: Sequence[Window], stride: int, num_seqs: int) -> torch.Tensor:
+    """[num_seqs * stride] int64: each window's tokens at the start of its stride."""
+    out = torch.zeros(num_seqs, stride, dtype=torch.int64)
+    for s, w in enumerate(windows):
+        out[s, : w.num_rows] = w.tokens
+    return out.view(-1)
+
+
+def build_compact(windows: Sequence[Window], num_steps: int, top_k: int,
+                  device: torch.device | str, dtype: torch.dtype) -> DraftBatch:
+    """A fresh, tightly packed batch for the eager path (prefill, resync, big windows)."""
+    idx = pack_index(windows, num_steps)
+    tok_stride = max(w.num_rows for w in windows) + num_steps
+
+    def t(x: list) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    kv_len = max(w.first_pos + w.num_rows for w in windows)
+    attn = AttnBatch(t(idx.positions), t(idx.slot_mapping), t(idx.seq_slots), t(idx.row_index),
+                     t(idx.row_seq), t(idx.row_offset), kv_len)
+    return DraftBatch(
+        attn=attn,
+        hidden=torch.cat([w.hidden for w in windows]).to(device=device, dtype=dtype),
+        tokens=token_stream(windows, tok_stride, len(windows)).to(device),
+        row_tok=t(idx.row_tok), last_row=t(idx.last_row), last_tok=t(idx.last_tok),
+        temperature=torch.tensor([w.temperature for w in windows], device=device),
+        noise=stack_noise(windows, num_steps, top_k).to(device))
+
+
+def stack_noise(windows: Sequence[Window], num_steps: int, top_k: int,
+                num_seqs: int | None = None) -> torch.Tensor:
+    """[S, K, k] Exp(1) noise; greedy windows get ones (unused)."""
+    out = torch.ones(num_seqs or len(windows), num_steps, top_k)
+    for s, w in enumerate(windows):
+        if w.noise is not None:
+            out[s] = w.noise
+    return out

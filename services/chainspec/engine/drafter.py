@@ -1,0 +1,200 @@
+"""The drafter engine: per-sequence state and batched draft rounds (DESIGN 3.1-3.2, 4.1).
+
+Per sequence it keeps a KV slot (one KV layer per draft step) and the last K-1 committed
+rows (h_p, x[p+1]). Each update's window starts with those history rows, so every KV
+entry that survives a round was computed from committed tokens only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from chainspec.engine.draft_batch import Window, build_compact
+from chainspec.engine.draft_step import DraftOutput, draft_round
+from chainspec.engine.draft_types import (
+    FAILED_PRECONDITION,
+    INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED,
+    DraftOutcome,
+    Drafts,
+    SeqFailure,
+    SeqUpdate,
+)
+from chainspec.engine.graph_runner import GraphRunner, StaticDraftBuffers, default_buckets
+from chainspec.models.kv_cache import KVCache
+from chainspec.models.mtp import MTPDraftModel
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    num_steps: int = 3  # K
+    chain: bool = True
+    max_seqs: int = 64
+    max_len: int = 2048
+    top_k: int = 8  # support size of sampled draft distributions
+    use_graphs: bool = True  # CUDA graphs when on a GPU
+    max_graph_batch: int = 64
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps (K) must be >= 1, got {self.num_steps}")
+        if self.max_seqs < 1 or self.max_len < 2 * self.num_steps + 1:
+            raise ValueError("max_seqs must be >= 1 and max_len > 2K")
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+
+
+class _SeqState:
+    def __init__(self, slot: int, seed: int | None) -> None:
+        self.slot = slot
+        self.next_start = 0  # the `start` the next update must carry
+        self.hist_hidden: torch.Tensor | None = None  # [m, H]: h of the last m rows
+        self.hist_tokens: torch.Tensor | None = None  # [m]: x[p+1] of those rows
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+
+
+class DrafterEngine:
+    """`update(batch of SeqUpdate) -> list of Drafts | SeqFailure`, one per update."""
+
+    def __init__(self, model: MTPDraftModel, config: DrafterConfig) -> None:
+        self.model = model.eval()
+        self.config = config
+        self.vocab_size = model.config.vocab_size
+        self.hidden_size = model.config.hidden_size
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        c = config
+        self.cache = KVCache(c.num_steps, c.max_seqs, c.max_len, model.config.num_kv_heads,
+                             model.config.head_dim, self.dtype, self.device)
+        self.seqs: dict[int, _SeqState] = {}
+        self.free_slots = list(range(c.max_seqs - 1, -1, -1))
+        graph_batch = min(c.max_graph_batch, c.max_seqs)
+        buffers = StaticDraftBuffers(graph_batch, c.num_steps, self.hidden_size, c.top_k,
+                                     c.max_len, self.device, self.dtype)
+        self.runner = GraphRunner(self._round, buffers, default_buckets(graph_batch),
+                                  c.use_graphs)
+        self.runner.capture()
+
+    def _round(self, batch) -> DraftOutput:
+        return draft_round(self.model, self.cache, batch, self.config.num_steps,
+                           self.config.chain)
+
+    @property
+    def load(self) -> int:
+        return len(self.seqs)
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            state = self.seqs.pop(seq_id, None)
+            if state is not None:
+                self.free_slots.append(state.slot)
+
+    @torch.inference_mode()
+    def update(self, updates: Sequence[SeqUpdate]) -> list[DraftOutcome]:
+        """Apply updates and draft. Bad updates fail alone; the others proceed."""
+        outcomes: list[DraftOutcome | None] = [None] * len(updates)
+        accepted: list[tuple[int, SeqUpdate, Window]] = []
+        seen: set[int] = set()
+        for i, upd in enumerate(updates):
+            failure = self._check(upd, seen)
+            if failure is None:
+                window, failure = self._open_window(upd)
+            if failure is not None:
+                outcomes[i] = failure
+                continue
+            seen.add(upd.seq_id)
+            accepted.append((i, upd, window))
+        if accepted:
+            out = self._run([w for _, _, w in accepted])
+            for row, (i, upd, window) in enumerate(accepted):
+                self._commit(upd, window)
+                outcomes[i] = self._result(upd, out, row)
+        return outcomes  # type: ignore[return-value]
+
+    def _check(self, upd: SeqUpdate, seen: set[int]) -> SeqFailure | None:
+        def bad(msg: str) -> SeqFailure:
+            return SeqFailure(upd.seq_id, INVALID_ARGUMENT, msg)
+        n = len(upd.tokens)
+        if upd.seq_id in seen:
+            return bad(f"sequence {upd.seq_id} appears twice in one batch")
+        if n == 0:
+            return bad("an update needs at least one token")
+        if tuple(upd.hidden.shape) != (n, self.hidden_size):
+            return bad(f"hidden has shape {tuple(upd.hidden.shape)}, "
+                       f"expected [{n}, {self.hidden_size}] (one row per token)")
+        if not all(0 <= t < self.vocab_size for t in upd.tokens):
+            return bad(f"token id out of range [0, {self.vocab_size})")
+        if not bool(torch.isfinite(upd.hidden).all()):
+            return bad("hidden contains non-finite values")
+        if upd.start < 0 or upd.start + n + self.config.num_steps > self.config.max_len:
+            return SeqFailure(upd.seq_id, RESOURCE_EXHAUSTED,
+                              f"rows up to {upd.start + n} exceed the drafter's max_len "
+                              f"{self.config.max_len} minus K")
+        return None
+
+    def _open_window(self, upd: SeqUpdate) -> tuple[Window | None, SeqFailure | None]:
+        state = self.seqs.get(upd.seq_id)
+        if upd.start == 0:  # a new sequence, or a resync from scratch
+            if state is None:
+                if not self.free_slots:
+                    return None, SeqFailure(upd.seq_id, RESOURCE_EXHAUSTED,
+                                            f"drafter is full ({self.config.max_seqs} sequences)")
+                state = _SeqState(self.free_slots.pop(), upd.sampling.seed)
+                self.seqs[upd.seq_id] = state
+            state.next_start, state.hist_hidden, state.hist_tokens = 0, None, None
+        elif state is None or upd.start != state.next_start:
+            expected = None if state is None else state.next_start
+            what = "unknown sequence" if state is None else f"expected start {expected}"
+            return None, SeqFailure(upd.seq_id, FAILED_PRECONDITION,
+                                    f"cannot continue sequence {upd.seq_id} at start "
+                                    f"{upd.start}: {what}", expected)
+        hidden = upd.hidden.to(self.dtype)
+        tokens = torch.tensor(upd.tokens, dtype=torch.int64)
+        if state.hist_hidden is not None:
+            hidden = torch.cat([state.hist_hidden, hidden])
+            tokens = torch.cat([state.hist_tokens, tokens])
+        m = 0 if state.hist_hidden is None else state.hist_hidden.shape[0]
+        noise = self._noise(state, upd)
+        return Window(state.slot, upd.start - m, hidden, tokens, upd.sampling.temperature,
+                      noise), None
+
+    def _noise(self, state: _SeqState, upd: SeqUpdate) -> torch.Tensor | None:
+        if upd.sampling.greedy:
+            return None
+        shape = (self.config.num_steps, self.config.top_k)
+        return torch.empty(shape).exponential_(generator=state.generator)
+
+    def _run(self, windows: list[Window]) -> DraftOutput:
+        if self.runner.fits(windows):
+            return self.runner.run(windows)
+        out = self._round(build_compact(windows, self.config.num_steps, self.config.top_k,
+                                        self.device, self.dtype))
+        return out
+
+    def _commit(self, upd: SeqUpdate, window: Window) -> None:
+        """Keep the last K-1 committed rows as the next window's history."""
+        state = self.seqs[upd.seq_id]
+        keep = self.config.num_steps - 1
+        state.next_start = upd.start + len(upd.tokens)
+        if keep == 0:
+            return
+        state.hist_hidden = window.hidden[-keep:].clone()
+        state.hist_tokens = window.tokens[-keep:].clone()
+
+    def _result(self, upd: SeqUpdate, out: DraftOutput, row: int) -> Drafts:
+        if upd.sampling.greedy:
+            return Drafts(upd.seq_id, out.tokens[row].cpu())
+        return Drafts(upd.seq_id, out.tokens[row].cpu(), out.support[row].cpu(),
+                      out.probs[row].float().cpu())
+
+
+def drafter_capacity_bytes(config: DrafterConfig, model: MTPDraftModel) -> int:
+    """KV bytes the drafter allocates for `config` (for sizing and metrics)."""
+    c = model.config
+    elem = torch.finfo(next(model.parameters()).dtype).bits // 8
+    return 2 * config.num_steps * config.max_seqs * config.max_len * c.kv_size * elem
+
+
