@@ -145,14 +145,23 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, architecture: str | None = None) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        try:
-            cfg = json.loads(path.read_text())
-        except FileNotFoundError as e:
-            raise CheckpointError(f"{path}: config.json not found") from e
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: invalid JSON: {e}") from e
+        cfg = read_hf_config(model_dir)
         try:
             return cls.from_hf(cfg, architecture)
         except KeyError as e:
+            path = Path(model_dir) / "config.json"
             raise CheckpointError(f"{path}: missing required field {e.args[0]!r}") from e
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """The raw `config.json` of a model directory, as a dict."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: config.json not found") from e
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: invalid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return cfg

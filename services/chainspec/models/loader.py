@@ -1,0 +1,153 @@
+"""Build the target and the MTP drafter from a Hugging Face model directory.
+
+Both loads are strict: every parameter must be found with the right shape, and no
+tensor in the part of the checkpoint a load is responsible for may be left over.
+- `load_target` owns every tensor except those of the MTP family the config declares
+  (and a tied `lm_head.weight`).
+- `load_draft_model` reads only the embedding, the LM head and the MTP tensors; target
+  layers are never read, and shards that hold only target layers are never opened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from chainspec.models.adapters import (
+    MTPAdapter,
+    adapter_for,
+    architecture_of,
+    draft_config,
+)
+from chainspec.models.checkpoint import CheckpointFiles
+from chainspec.models.config import ModelConfig, read_hf_config
+from chainspec.models.errors import CheckpointError
+from chainspec.models.mtp import MTPDraftModel
+from chainspec.models.target import TargetModel
+
+# Buffers that older checkpoints saved; chainspec recomputes them.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+LISTED = 5  # names shown in an error message before "..."
+
+
+def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu", cache_len: int | None = None,
+                architecture: str | None = None) -> TargetModel:
+    """The target decoder of `model_dir` (`architecture` overrides `architectures[0]`)."""
+    hf = read_hf_config(model_dir)
+    cfg = _parse_config(model_dir, lambda: ModelConfig.from_hf(hf, architecture))
+    adapter = adapter_for(hf, architecture)
+    with torch.device(device):
+        model = TargetModel(cfg, cache_len)
+    names = {key: key for key in model.state_dict()}
+    known = set(names)  # a tied checkpoint may still carry lm_head.weight
+    if cfg.tie_word_embeddings:
+        names["lm_head.weight"] = "model.embed_tokens.weight"
+    with CheckpointFiles(model_dir) as files:
+        owned = {n for n in files.names() if adapter and adapter.owns(n, cfg.num_layers)}
+        _check_unexpected(files, known | owned)
+        state = _read_all(files, names, model, dtype, device)
+    _assign(model, state, model.model.embed_tokens if cfg.tie_word_embeddings else None)
+    return model
+
+
+def load_draft_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                     device: torch.device | str = "cpu", num_modules: int | None = None,
+                     cache_len: int | None = None, architecture: str | None = None,
+                     family: str | None = None) -> MTPDraftModel:
+    """The drafter's model: shared embedding and LM head plus the first `num_modules` MTP
+    modules (default: all the config declares). `family` overrides the adapter choice."""
+    hf = read_hf_config(model_dir)
+    adapter = adapter_for(hf, architecture, family)
+    if adapter is None:
+        raise CheckpointError(f"{_config_path(model_dir)}: architecture "
+                              f"{architecture_of(hf, architecture)!r} declares no MTP modules")
+    cfg = _parse_config(model_dir, lambda: draft_config(hf, adapter, architecture))
+    count = _module_count(model_dir, cfg.num_mtp_layers, num_modules)
+    with torch.device(device):
+        model = MTPDraftModel(cfg, count, adapter.glue, cache_len)
+    names = {key: adapter.checkpoint_name(key, cfg.num_layers) for key in model.state_dict()}
+    if cfg.tie_word_embeddings:
+        names["lm_head.weight"] = "model.embed_tokens.weight"
+    with CheckpointFiles(model_dir) as files:
+        _check_unexpected_mtp(files, adapter, model, cfg)
+        state = _read_all(files, names, model, dtype, device, adapter.convert)
+    _assign(model, state, model.embed_tokens if cfg.tie_word_embeddings else None)
+    return model
+
+
+def _config_path(model_dir: str | Path) -> Path:
+    return Path(model_dir) / "config.json"
+
+
+def _parse_config(model_dir: str | Path, parse: Callable[[], ModelConfig]) -> ModelConfig:
+    try:
+        return parse()
+    except KeyError as e:
+        raise CheckpointError(f"{_config_path(model_dir)}: missing required field "
+                              f"{e.args[0]!r}") from e
+    except CheckpointError as e:
+        raise CheckpointError(f"{_config_path(model_dir)}: {e}") from e
+
+
+def _module_count(model_dir: str | Path, available: int, asked: int | None) -> int:
+    count = available if asked is None else asked
+    if available < 1:
+        raise CheckpointError(f"{_config_path(model_dir)}: the config declares no MTP modules")
+    if not 1 <= count <= available:
+        raise CheckpointError(f"{_config_path(model_dir)}: asked for {count} MTP modules, the "
+                              f"checkpoint has {available}")
+    return count
+
+
+def _listed(names: set[str]) -> str:
+    shown = sorted(names)[:LISTED]
+    return ", ".join(shown) + (f", ... ({len(names)} in all)" if len(names) > LISTED else "")
+
+
+def _check_unexpected(files: CheckpointFiles, known: set[str]) -> None:
+    extra = {n for n in files.names() - known if not n.endswith(IGNORED_SUFFIXES)}
+    if extra:
+        where = sorted({files.file_of(n).name for n in extra})
+        raise CheckpointError(f"{files.model_dir}: unexpected tensors {_listed(extra)} "
+                              f"(in {', '.join(where)})")
+
+
+def _check_unexpected_mtp(files: CheckpointFiles, adapter: MTPAdapter, model: MTPDraftModel,
+                          cfg: ModelConfig) -> None:
+    """Every tensor in the family's MTP namespace must map onto a declared module."""
+    n_layers, declared = cfg.num_layers, cfg.num_mtp_layers
+    module_keys = list(model.mtp[0].state_dict())
+    known = {adapter.checkpoint_name(f"mtp.{i}.{key}", n_layers)
+             for i in range(declared) for key in module_keys}
+    owned = {n for n in files.names() if adapter.owns(n, n_layers)
+             and not adapter.is_shared_copy(n, n_layers, declared)}
+    _check_unexpected(files, (files.names() - owned) | known)
+
+
+def _read_all(files: CheckpointFiles, names: dict[str, str], model: nn.Module,
+              dtype: torch.dtype, device: torch.device | str,
+              convert: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+              ) -> dict[str, torch.Tensor]:
+    """Read `names` (model key -> checkpoint name): all present first, then shapes."""
+    present = files.names()
+    missing = set(names.values()) - present
+    if missing:
+        raise CheckpointError(f"{files.model_dir}: missing tensor {_listed(missing)}")
+    expected = model.state_dict()
+    state = {}
+    for key, name in names.items():
+        tensor = files.read(name, tuple(expected[key].shape))
+        tensor = convert(key, tensor) if convert else tensor
+        state[key] = tensor.to(device=device, dtype=dtype)
+    return state
+
+
+def _assign(model: nn.Module, state: dict[str, torch.Tensor], tied_to: nn.Embedding | None
+            ) -> None:
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied_to is not None:
+        model.lm_head.weight = tied_to.weight  # one parameter, as the model was built
