@@ -23,7 +23,7 @@ class Window:
     hidden: torch.Tensor  # [R, H]: h[w0 .. w0+R-1]
     tokens: torch.Tensor  # [R] int64: x[w0+1 .. w0+R]
     temperature: float = 0.0  # 0 = greedy drafts
-    noise: torch.Tensor | None = None  # [K, k] Exp(1) noise for sampled drafts
+    seed: int = 0  # keys the noise of sampled drafts (NoiseStream.DRAFT)
 
     @property
     def num_rows(self) -> int:
@@ -41,7 +41,7 @@ class DraftBatch:
     last_row: torch.Tensor  # [S] int64: packed index of each sequence's last row
     last_tok: torch.Tensor  # [S] int64: index of x[N'] in `tokens`
     temperature: torch.Tensor  # [S] float32, 0 = greedy
-    noise: torch.Tensor  # [S, K, k] float32 Exp(1) noise
+    seed: torch.Tensor  # [S] int64
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def token_stream(windows: Sequence[Window], stride: int, num_seqs: int) -> torch
     return out.view(-1)
 
 
-def build_compact(windows: Sequence[Window], num_steps: int, top_k: int,
+def build_compact(windows: Sequence[Window], num_steps: int,
                   device: torch.device | str, dtype: torch.dtype) -> DraftBatch:
     """A fresh, tightly packed batch for the eager path (prefill, resync, big windows)."""
     idx = pack_index(windows, num_steps)
@@ -116,14 +116,4 @@ def build_compact(windows: Sequence[Window], num_steps: int, top_k: int,
         tokens=token_stream(windows, tok_stride, len(windows)).to(device),
         row_tok=t(idx.row_tok), last_row=t(idx.last_row), last_tok=t(idx.last_tok),
         temperature=torch.tensor([w.temperature for w in windows], device=device),
-        noise=stack_noise(windows, num_steps, top_k).to(device))
-
-
-def stack_noise(windows: Sequence[Window], num_steps: int, top_k: int,
-                num_seqs: int | None = None) -> torch.Tensor:
-    """[S, K, k] Exp(1) noise; greedy windows get ones (unused)."""
-    out = torch.ones(num_seqs or len(windows), num_steps, top_k)
-    for s, w in enumerate(windows):
-        if w.noise is not None:
-            out[s] = w.noise
-    return out
+        seed=t([w.seed for w in windows]))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from chainspec.engine.draft_batch import DraftBatch
+from chainspec.engine.sampling import NoiseStream, draft_topk, exponential_noise
 from chainspec.models.attention import PagedAttention
 from chainspec.models.kv_cache import KVCache
 from chainspec.models.mtp import MTPDraftModel
@@ -20,23 +21,8 @@ class DraftOutput:
     probs: torch.Tensor  # [S, K, k] float32: q over `support` (renormalized)
 
 
-def propose(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Draft tokens from logits [S, V]: greedy where temperature is 0, else sampled from
-    the top-k-truncated distribution with Exp(1) noise [S, k]. No host sync."""
-    k = noise.shape[-1]
-    greedy = temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    top_logits, support = (logits.float() / temp[:, None]).topk(k, dim=-1)  # [S, k]
-    probs = torch.softmax(top_logits, dim=-1)
-    pick = (probs / noise).argmax(dim=-1, keepdim=True)  # [S, 1]
-    sampled = support.gather(1, pick).squeeze(1)
-    token = torch.where(greedy, support[:, 0], sampled)
-    return token, support, probs
-
-
 def draft_round(model: MTPDraftModel, cache: KVCache, batch: DraftBatch, num_steps: int,
-                chain: bool) -> DraftOutput:
+                chain: bool, top_k: int) -> DraftOutput:
     """Run steps 1..K. Step k reads tokens[row_tok + k - 1] and g[k-1] (chain) or h, and
     writes its draft at tokens[last_tok + k] for step k+1 to read."""
     backend = PagedAttention(cache, batch.attn, model.config.head_dim ** -0.5)
@@ -47,7 +33,9 @@ def draft_round(model: MTPDraftModel, cache: KVCache, batch: DraftBatch, num_ste
         tokens = batch.tokens[batch.row_tok + (step - 1)]  # [T]
         g = model.step(step, tokens, prev, positions, backend)  # [T, H]
         logits = model.logits(step, g[batch.last_row])  # [S, V]
-        token, support, prob = propose(logits, batch.temperature, batch.noise[:, step - 1])
+        draft_pos = batch.attn.positions[batch.last_row] + 1 + step  # [S]: where d'_k lands
+        noise = exponential_noise(batch.seed, NoiseStream.DRAFT, draft_pos, top_k)
+        token, support, prob = draft_topk(logits, batch.temperature, noise)
         batch.tokens.index_copy_(0, batch.last_tok + step, token)
         drafts.append(token)
         supports.append(support)

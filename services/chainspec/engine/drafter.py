@@ -48,12 +48,12 @@ class DrafterConfig:
 
 
 class _SeqState:
-    def __init__(self, slot: int, seed: int | None) -> None:
+    def __init__(self, slot: int, seed: int) -> None:
         self.slot = slot
+        self.seed = seed
         self.next_start = 0  # the `start` the next update must carry
         self.hist_hidden: torch.Tensor | None = None  # [m, H]: h of the last m rows
         self.hist_tokens: torch.Tensor | None = None  # [m]: x[p+1] of those rows
-        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
 
 class DrafterEngine:
@@ -72,15 +72,15 @@ class DrafterEngine:
         self.seqs: dict[int, _SeqState] = {}
         self.free_slots = list(range(c.max_seqs - 1, -1, -1))
         graph_batch = min(c.max_graph_batch, c.max_seqs)
-        buffers = StaticDraftBuffers(graph_batch, c.num_steps, self.hidden_size, c.top_k,
-                                     c.max_len, self.device, self.dtype)
+        buffers = StaticDraftBuffers(graph_batch, c.num_steps, self.hidden_size, c.max_len,
+                                     self.device, self.dtype)
         self.runner = GraphRunner(self._round, buffers, default_buckets(graph_batch),
                                   c.use_graphs)
         self.runner.capture()
 
     def _round(self, batch) -> DraftOutput:
-        return draft_round(self.model, self.cache, batch, self.config.num_steps,
-                           self.config.chain)
+        c = self.config
+        return draft_round(self.model, self.cache, batch, c.num_steps, c.chain, c.top_k)
 
     @property
     def load(self) -> int:
@@ -142,7 +142,7 @@ class DrafterEngine:
                 if not self.free_slots:
                     return None, SeqFailure(upd.seq_id, RESOURCE_EXHAUSTED,
                                             f"drafter is full ({self.config.max_seqs} sequences)")
-                state = _SeqState(self.free_slots.pop(), upd.sampling.seed)
+                state = _SeqState(self.free_slots.pop(), _signed64(upd.sampling.seed))
                 self.seqs[upd.seq_id] = state
             state.next_start, state.hist_hidden, state.hist_tokens = 0, None, None
         elif state is None or upd.start != state.next_start:
@@ -157,22 +157,15 @@ class DrafterEngine:
             hidden = torch.cat([state.hist_hidden, hidden])
             tokens = torch.cat([state.hist_tokens, tokens])
         m = 0 if state.hist_hidden is None else state.hist_hidden.shape[0]
-        noise = self._noise(state, upd)
         return Window(state.slot, upd.start - m, hidden, tokens, upd.sampling.temperature,
-                      noise), None
-
-    def _noise(self, state: _SeqState, upd: SeqUpdate) -> torch.Tensor | None:
-        if upd.sampling.greedy:
-            return None
-        shape = (self.config.num_steps, self.config.top_k)
-        return torch.empty(shape).exponential_(generator=state.generator)
+                      state.seed), None
 
     def _run(self, windows: list[Window]) -> DraftOutput:
         if self.runner.fits(windows):
             return self.runner.run(windows)
-        out = self._round(build_compact(windows, self.config.num_steps, self.config.top_k,
-                                        self.device, self.dtype))
-        return out
+        self.runner.eager_runs += 1
+        return self._round(build_compact(windows, self.config.num_steps, self.device,
+                                         self.dtype))
 
     def _commit(self, upd: SeqUpdate, window: Window) -> None:
         """Keep the last K-1 committed rows as the next window's history."""
@@ -189,6 +182,13 @@ class DrafterEngine:
             return Drafts(upd.seq_id, out.tokens[row].cpu())
         return Drafts(upd.seq_id, out.tokens[row].cpu(), out.support[row].cpu(),
                       out.probs[row].float().cpu())
+
+
+def _signed64(seed: int | None) -> int:
+    """A draft seed as int64 (the noise hash takes two's complement); None -> random."""
+    if seed is None:
+        return int(torch.randint(0, 2 ** 62, ()).item())
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def drafter_capacity_bytes(config: DrafterConfig, model: MTPDraftModel) -> int:

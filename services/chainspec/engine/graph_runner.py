@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from chainspec.engine.draft_batch import DraftBatch, Window, pack_index, stack_noise, token_stream
+from chainspec.engine.draft_batch import DraftBatch, Window, pack_index, token_stream
 from chainspec.engine.draft_step import DraftOutput
 from chainspec.models.attention import AttnBatch
 
@@ -32,11 +32,11 @@ class GraphKey:
 
 
 class StaticDraftBuffers:
-    def __init__(self, max_seqs: int, num_steps: int, hidden_size: int, top_k: int,
-                 max_len: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, max_seqs: int, num_steps: int, hidden_size: int, max_len: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
         self.rows_per_seq = 2 * num_steps
         self.tok_stride = self.rows_per_seq + num_steps
-        self.num_steps, self.top_k, self.max_len = num_steps, top_k, max_len
+        self.num_steps, self.max_len = num_steps, max_len
         rows = max_seqs * self.rows_per_seq
 
         def ints(*shape: int) -> torch.Tensor:
@@ -54,7 +54,7 @@ class StaticDraftBuffers:
         self.tokens = ints(max_seqs * self.tok_stride)
         self.hidden = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         self.temperature = torch.zeros(max_seqs, device=device)
-        self.noise = torch.ones(max_seqs, num_steps, top_k, device=device)
+        self.seed = ints(max_seqs)
 
     def prepare(self, windows: Sequence[Window], batch_size: int) -> None:
         """Fill the first `batch_size` sequences' worth of every buffer."""
@@ -73,8 +73,8 @@ class StaticDraftBuffers:
             hidden[s, : w.num_rows].copy_(w.hidden)
         temps = [w.temperature for w in windows] + [0.0] * (batch_size - len(windows))
         self.temperature[:batch_size].copy_(torch.tensor(temps))
-        self.noise[:batch_size].copy_(stack_noise(windows, self.num_steps, self.top_k,
-                                                  batch_size))
+        seeds = [w.seed for w in windows] + [0] * (batch_size - len(windows))
+        self.seed[:batch_size].copy_(torch.tensor(seeds))
 
     def view(self, batch_size: int) -> DraftBatch:
         rows = batch_size * self.rows_per_seq
@@ -84,7 +84,7 @@ class StaticDraftBuffers:
         return DraftBatch(attn, self.hidden[:rows], self.tokens[: batch_size * self.tok_stride],
                           self.row_tok[:rows], self.last_row[:batch_size],
                           self.last_tok[:batch_size], self.temperature[:batch_size],
-                          self.noise[:batch_size])
+                          self.seed[:batch_size])
 
 
 class GraphRunner:

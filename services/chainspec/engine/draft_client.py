@@ -1,0 +1,40 @@
+"""How the verifier reaches drafters. The in-process client calls a `DrafterEngine`
+directly; the gRPC client (rpc/) implements the same three verbs over a stream."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from chainspec.engine.draft_types import DraftOutcome, SeqUpdate
+from chainspec.engine.drafter import DrafterEngine
+
+
+class DraftClient(Protocol):
+    def submit(self, updates: Sequence[SeqUpdate]) -> None:
+        """Send one batch of updates; drafts come back through `collect`."""
+
+    def collect(self) -> dict[int, DraftOutcome]:
+        """Outcomes for submitted updates that arrived in time (may be partial)."""
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        """Forget sequences (finished, aborted, or moved elsewhere)."""
+
+
+class LocalDraftClient:
+    """In-process drafter: `submit` drafts at once, `collect` hands the results over."""
+
+    def __init__(self, engine: DrafterEngine) -> None:
+        self.engine = engine
+        self._ready: dict[int, DraftOutcome] = {}
+
+    def submit(self, updates: Sequence[SeqUpdate]) -> None:
+        for upd, outcome in zip(updates, self.engine.update(updates), strict=True):
+            self._ready[upd.seq_id] = outcome
+
+    def collect(self) -> dict[int, DraftOutcome]:
+        ready, self._ready = self._ready, {}
+        return ready
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        self.engine.release(seq_ids)

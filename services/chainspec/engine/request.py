@@ -1,0 +1,113 @@
+"""A generation request and its state inside the verifier."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from chainspec.engine.draft_types import Drafts
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class StopConditions:
+    max_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop strings must be non-empty")
+
+
+@dataclass
+class RequestStats:
+    """Per-request speculation counters (vLLM's spec-decode shape)."""
+
+    num_steps: int
+    rounds: int = 0  # verify rounds that carried drafts
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    fallback_rounds: int = 0  # plain decode rows for lack of drafts
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.num_steps
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens committed per verify round with drafts (accepted + bonus)."""
+        return 1.0 + self.accepted_tokens / self.rounds if self.rounds else 1.0
+
+    def record(self, num_drafts: int, accepted: int) -> None:
+        self.rounds += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += accepted
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+
+class Request:
+    """Committed tokens x[0..N] (x[N] newest, not yet run through the target)."""
+
+    def __init__(self, request_id: str, prompt: list[int], sampling, stop: StopConditions,
+                 num_steps: int) -> None:
+        self.request_id = request_id
+        self.prompt_len = len(prompt)
+        self.tokens = list(prompt)
+        self.sampling = sampling
+        self.stop = stop
+        self.slot = -1
+        self.num_computed = 0  # positions < num_computed have target KV
+        self.drafts: Drafts | None = None  # proposals for the next verify
+        self.drafter_synced = False  # the drafter holds this sequence's state
+        self.finish_reason: FinishReason | None = None
+        self.stop_string: str | None = None
+        self.error: str | None = None
+        self.stats = RequestStats(num_steps)
+        seed = sampling.seed if sampling.seed is not None else torch.seed() % (2 ** 63)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_tokens: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    stop_string: str | None = None
+    error: str | None = None
+    stats: RequestStats | None = None  # set on the final output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

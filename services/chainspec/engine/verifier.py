@@ -1,0 +1,259 @@
+"""The verifier engine: continuous batching over slots, one target forward per step,
+batched acceptance, commit, stop conditions, and the drafter protocol (DESIGN 3, 4.2).
+
+One `step()`:
+  collect drafts -> admit -> schedule -> forward -> accept -> commit -> send updates
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from chainspec.engine.draft_client import DraftClient
+from chainspec.engine.draft_types import (
+    FAILED_PRECONDITION,
+    DraftSampling,
+    Drafts,
+    SeqFailure,
+    SeqUpdate,
+)
+from chainspec.engine.request import FinishReason, Request, RequestOutput, StopConditions
+from chainspec.engine.sampling import SamplingParams
+from chainspec.engine.schedule import Work, WorkKind, schedule
+from chainspec.engine.verify_batch import StepResult, VerifyResult, run_verify
+from chainspec.models.attention import DenseCausal
+from chainspec.models.kv_cache import KVCache
+from chainspec.models.target import TargetModel
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    num_steps: int = 3  # K: drafts verified per round
+    max_seqs: int = 16
+    max_len: int = 2048
+    max_batch_tokens: int = 1024
+    prefill_chunk: int = 512
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps (K) must be >= 1, got {self.num_steps}")
+        if self.max_seqs < 1 or self.prefill_chunk < 1:
+            raise ValueError("max_seqs and prefill_chunk must be >= 1")
+        if self.max_batch_tokens < self.max_seqs * (self.num_steps + 1):
+            raise ValueError("max_batch_tokens must hold a verify window for every slot")
+
+
+class VerifierEngine:
+    def __init__(self, model: TargetModel, config: VerifierConfig,
+                 drafter: DraftClient | None = None, eos_ids: Sequence[int] = (),
+                 detokenize: Callable[[list[int]], str] | None = None) -> None:
+        self.model = model.eval()
+        self.config = config
+        self.drafter = drafter
+        self.eos_ids = frozenset(eos_ids)
+        self.detokenize = detokenize
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        cfg = model.config
+        self.cache = KVCache(cfg.num_layers, config.max_seqs, config.max_len, cfg.num_kv_heads,
+                             cfg.head_dim, self.dtype, self.device)
+        self.free_slots = list(range(config.max_seqs - 1, -1, -1))
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.by_id: dict[str, Request] = {}
+        self.seq_ids: dict[str, int] = {}
+        self._next_seq_id = 0
+        self.resyncs = 0
+
+    # -- requests -------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
+                    stop: StopConditions) -> None:
+        """Queue a request. Raises ValueError for input the model cannot take."""
+        if request_id in self.by_id:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        need = len(prompt) + stop.max_tokens + self.config.num_steps + 1
+        if need > self.config.max_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({stop.max_tokens}) "
+                             f"exceeds the context limit {self.config.max_len - 1 - self.config.num_steps}")
+        req = Request(request_id, list(prompt), sampling.resolve_seed(), stop,
+                      self.config.num_steps)
+        self.by_id[request_id] = req
+        self.seq_ids[request_id] = self._next_seq_id
+        self._next_seq_id += 1
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> bool:
+        req = self.by_id.get(request_id)
+        if req is None or req.finished:
+            return False
+        req.finish_reason = FinishReason.ABORT
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one engine step ----------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        self._collect_drafts()
+        outputs = self._reap()
+        self._admit()
+        work = schedule(self.running, self.config.max_batch_tokens, self.config.prefill_chunk)
+        if not work:
+            return outputs
+        result = run_verify(self.model, self.cache, work, self.device)
+        updates: list[SeqUpdate] = []
+        for i, (item, verdict) in enumerate(zip(work, result.verdicts, strict=True)):
+            out = self._commit(item, verdict)
+            if out is not None:
+                outputs.append(out)
+            upd = self._draft_update(item, verdict, result, i)
+            if upd is not None:
+                updates.append(upd)
+        if updates and self.drafter is not None:
+            self.drafter.submit(updates)
+        outputs.extend(self._reap())
+        return outputs
+
+    def _collect_drafts(self) -> None:
+        if self.drafter is None:
+            return
+        by_seq = {self.seq_ids[r.request_id]: r for r in self.running}
+        resync: list[SeqUpdate] = []
+        for seq_id, outcome in self.drafter.collect().items():
+            req = by_seq.get(seq_id)
+            if req is None or req.finished:
+                continue
+            if isinstance(outcome, Drafts):
+                req.drafts = outcome
+                req.drafter_synced = True
+            elif isinstance(outcome, SeqFailure):
+                req.drafts, req.drafter_synced = None, False
+                if outcome.code == FAILED_PRECONDITION:
+                    resync.append(self._resync_update(req))
+        if resync:
+            self.drafter.submit(resync)
+
+    def _resync_update(self, req: Request) -> SeqUpdate:
+        """Rebuild the drafter's state: recompute h for the committed prefix (DESIGN 3.4)."""
+        n = req.num_computed
+        ids = torch.tensor(req.tokens[:n], device=self.device)
+        # NOTE: dense recompute, no KV writes: the target's cache stays as plain decoding
+        # built it, so resync cannot change any output token.
+        hidden = self.model(ids, torch.arange(n, device=self.device),
+                            DenseCausal(1, n, self.model.attention_scale))
+        self.resyncs += 1
+        return SeqUpdate(self.seq_ids[req.request_id], 0, tuple(req.tokens[1:n + 1]),
+                         hidden.float().cpu(), True, self._draft_sampling(req))
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            req = self.waiting.pop(0)
+            if req.finished:
+                continue
+            req.slot = self.free_slots.pop()
+            self.running.append(req)
+
+    def _reap(self) -> list[RequestOutput]:
+        """Finished requests leave: free the slot, release the drafter's state."""
+        outputs, done = [], []
+        for req in self.waiting + self.running:
+            if req.finished:
+                done.append(req)
+        for req in done:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            else:
+                self.running.remove(req)
+                self.free_slots.append(req.slot)
+            if self.drafter is not None:
+                self.drafter.release([self.seq_ids[req.request_id]])
+            del self.by_id[req.request_id], self.seq_ids[req.request_id]
+            if req.finish_reason is FinishReason.ABORT or req.error:
+                outputs.append(RequestOutput(req.request_id, (), req.finish_reason,
+                                             error=req.error, stats=req.stats))
+        return outputs
+
+    # -- commit ---------------------------------------------------------------------
+    def _commit(self, item: Work, verdict: VerifyResult | None) -> RequestOutput | None:
+        req = item.request
+        if verdict is None:  # a prefill chunk that does not finish the prompt
+            req.num_computed += item.num_rows
+            return None
+        accepted = verdict.accepted
+        if item.kind is WorkKind.VERIFY:
+            if item.num_drafts:
+                req.stats.record(item.num_drafts, accepted)
+            else:
+                req.stats.fallback_rounds += self.drafter is not None
+        new = [*item.tokens[1:1 + accepted], verdict.next_token] \
+            if item.kind is WorkKind.VERIFY else [verdict.next_token]
+        req.num_computed = item.start + (accepted + 1 if item.kind is WorkKind.VERIFY
+                                         else item.num_rows)
+        req.drafts = None
+        emitted = self._append_until_stop(req, new)
+        final = req.finish_reason is not None
+        return RequestOutput(req.request_id, tuple(emitted), req.finish_reason,
+                             req.stop_string, stats=req.stats if final else None)
+
+    def _append_until_stop(self, req: Request, new: list[int]) -> list[int]:
+        emitted = []
+        for tok in new:
+            req.tokens.append(tok)
+            emitted.append(tok)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                req.finish_reason = reason
+                break
+        return emitted
+
+    def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
+        stop = req.stop
+        if tok in self.eos_ids and not stop.ignore_eos:
+            return FinishReason.EOS
+        if tok in stop.stop_token_ids:
+            return FinishReason.STOP
+        if stop.stop_strings and self.detokenize is not None:
+            tail = self.detokenize(req.output_tokens[-32:])
+            for s in stop.stop_strings:
+                if s in tail:
+                    req.stop_string = s
+                    return FinishReason.STOP
+        if req.num_generated >= stop.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    # -- drafter protocol -------------------------------------------------------------
+    def _draft_update(self, item: Work, verdict: VerifyResult | None, result: StepResult,
+                      index: int) -> SeqUpdate | None:
+        """Rows the drafter needs: (h_p, x[p+1]) for the rows this step committed."""
+        req = item.request
+        if self.drafter is None or req.finished:
+            return None
+        if item.kind is WorkKind.VERIFY and not req.drafter_synced:
+            return None  # a resync is under way or the drafter is gone: plain decode
+        rows = item.num_rows if item.kind is WorkKind.PREFILL else verdict.accepted + 1
+        hidden = result.hidden_rows(index, rows)
+        tokens = tuple(req.tokens[item.start + 1: item.start + 1 + rows])
+        if item.kind is WorkKind.PREFILL and item.start == 0:
+            req.drafter_synced = True
+        return SeqUpdate(self.seq_ids[req.request_id], item.start, tokens, hidden,
+                         want_drafts=verdict is not None, sampling=self._draft_sampling(req))
+
+    @staticmethod
+    def _draft_sampling(req: Request) -> DraftSampling:
+        s = req.sampling
+        return DraftSampling(s.temperature, s.seed)

@@ -1,0 +1,115 @@
+"""One target forward over a step's work, and batched acceptance of its verify windows.
+
+Every item that commits tokens is treated as a verify window with num_drafts in [0, K]:
+a plain decode row and the last prompt chunk are windows with no drafts. So plain
+decoding and speculative decoding share one code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from chainspec.engine.acceptance import accept_greedy, accept_sampled, round_noise
+from chainspec.engine.sampling import SamplingBatch
+from chainspec.engine.schedule import Work, WorkKind
+from chainspec.models.attention import AttnBatch, PagedAttention, SeqRows
+from chainspec.models.kv_cache import KVCache
+from chainspec.models.target import TargetModel
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    accepted: int  # drafts accepted (0 for prefill and plain decode)
+    next_token: int  # the bonus, or the residual sample after a rejection
+
+
+@dataclass(frozen=True)
+class StepResult:
+    hidden: torch.Tensor  # [T, H]: exported hidden states of every row of the step
+    offsets: tuple[int, ...]  # first packed row of each work item
+    verdicts: tuple[VerifyResult | None, ...]  # None: a prefill chunk that commits nothing
+
+    def hidden_rows(self, item: int, rows: int) -> torch.Tensor:
+        """The first `rows` hidden states of work item `item`, on the host: [rows, H]."""
+        start = self.offsets[item]
+        return self.hidden[start:start + rows].float().cpu()
+
+
+def run_verify(model: TargetModel, cache: KVCache, work: Sequence[Work],
+               device: torch.device) -> StepResult:
+    """Forward all rows of `work`, then accept/sample for the items that commit."""
+    batch = AttnBatch.build([SeqRows(w.request.slot, w.start, w.num_rows) for w in work], device)
+    ids = torch.tensor([t for w in work for t in w.tokens], device=device)
+    hidden = model(ids, batch.positions, PagedAttention(cache, batch, model.attention_scale))
+    offsets, total = [], 0
+    for w in work:
+        offsets.append(total)
+        total += w.num_rows
+    deciders = [i for i, w in enumerate(work) if w.samples]
+    verdicts: list[VerifyResult | None] = [None] * len(work)
+    if deciders:
+        for i, v in zip(deciders, _decide(model, hidden, [work[i] for i in deciders],
+                                          [offsets[i] for i in deciders]), strict=True):
+            verdicts[i] = v
+    return StepResult(hidden, tuple(offsets), tuple(verdicts))
+
+
+def _decide(model: TargetModel, hidden: torch.Tensor, work: Sequence[Work],
+            offsets: Sequence[int]) -> list[VerifyResult]:
+    """Batched acceptance over the deciding items, padded to K+1 rows each."""
+    k = max(w.num_drafts for w in work)
+    b = len(work)
+    device = hidden.device
+    row_idx = torch.zeros(b, k + 1, dtype=torch.int64)
+    drafts = torch.zeros(b, k, dtype=torch.int64)
+    for i, (w, off) in enumerate(zip(work, offsets, strict=True)):
+        # VERIFY rows are x[N], d1..dk: logits of row i judge draft i+1; the last prompt
+        # chunk decides from its last row.
+        first = off if w.kind is WorkKind.VERIFY else off + w.num_rows - 1
+        row_idx[i] = torch.arange(first, first + k + 1).clamp(max=first + w.num_drafts)
+        if w.num_drafts:
+            drafts[i, : w.num_drafts] = torch.tensor(w.tokens[1:], dtype=torch.int64)
+    num_drafts = torch.tensor([w.num_drafts for w in work], device=device)
+    logits = model.logits(hidden[row_idx.to(device).view(-1)]).view(b, k + 1, -1)
+    drafts = drafts.to(device)
+    params = [w.request.sampling for w in work]
+    if all(p.greedy for p in params):
+        accepted, nxt = accept_greedy(logits, drafts, num_drafts)
+    else:
+        accepted, nxt = _accept_sampled(logits, drafts, num_drafts, work, params)
+    pairs = torch.stack([accepted, nxt], dim=1).tolist()  # the step's one host sync
+    return [VerifyResult(a, t) for a, t in pairs]
+
+
+def _accept_sampled(logits, drafts, num_drafts, work, params):
+    sampling = SamplingBatch.from_params(params, logits.device)
+    probs = sampling.target_probs(logits)  # [B, K+1, V]
+    k = drafts.shape[1]
+    support = probs_q = None
+    if k and any(w.request.drafts is not None and w.request.drafts.support is not None
+                 for w in work):
+        support, probs_q = _draft_dists(work, k, logits.device)
+    first_pos = torch.tensor([w.start + w.num_rows if w.kind is WorkKind.PREFILL
+                              else w.start + 1 for w in work], device=logits.device)
+    accept_u, noise = round_noise(sampling.seed, first_pos, k, logits.shape[-1])
+    return accept_sampled(probs, drafts, support, probs_q, num_drafts, accept_u, noise)
+
+
+def _draft_dists(work: Sequence[Work], k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft distributions [B, K, top_k]; point masses for items with greedy drafts."""
+    top = next(w.request.drafts.support.shape[-1] for w in work
+               if w.request.drafts is not None and w.request.drafts.support is not None)
+    support = torch.zeros(len(work), k, top, dtype=torch.int64)
+    probs = torch.zeros(len(work), k, top)
+    for i, w in enumerate(work):
+        d = w.request.drafts
+        n = w.num_drafts
+        if d is not None and d.support is not None:
+            support[i, :n], probs[i, :n] = d.support[:n], d.probs[:n]
+        elif n:
+            support[i, :n, 0] = torch.tensor(w.tokens[1:], dtype=torch.int64)
+            probs[i, :n, 0] = 1.0
+    return support.to(device), probs.to(device)
