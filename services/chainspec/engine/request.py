@@ -10,7 +10,7 @@ import torch
 from chainspec.engine.draft_types import Drafts
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     LENGTH = "length"
     STOP = "stop"
     EOS = "eos"

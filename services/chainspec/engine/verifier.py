@@ -15,8 +15,8 @@ import torch
 from chainspec.engine.draft_client import DraftClient
 from chainspec.engine.draft_types import (
     FAILED_PRECONDITION,
-    DraftSampling,
     Drafts,
+    DraftSampling,
     SeqFailure,
     SeqUpdate,
 )
@@ -81,8 +81,9 @@ class VerifierEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         need = len(prompt) + stop.max_tokens + self.config.num_steps + 1
         if need > self.config.max_len:
+            limit = self.config.max_len - 1 - self.config.num_steps
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({stop.max_tokens}) "
-                             f"exceeds the context limit {self.config.max_len - 1 - self.config.num_steps}")
+                             f"exceeds the context limit {limit}")
         req = Request(request_id, list(prompt), sampling.resolve_seed(), stop,
                       self.config.num_steps)
         self.by_id[request_id] = req
