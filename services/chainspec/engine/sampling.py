@@ -1,0 +1,178 @@
+"""Batched sampling without host sync: per-request params, target probabilities, seeded
+counter-based noise, the exponential race, and top-k-truncated draft distributions.
+
+RNG (DESIGN 3.3 "per-request seeds"): noise is a pure function of
+(seed, stream, position, index) -- a counter-based hash, not a stateful generator. A
+request's noise therefore does not depend on which other requests share the batch, on
+round boundaries, on batch-size padding, or on a process restart, and the whole thing is
+plain tensor ops (CUDA-graph capturable). `position` is the absolute sequence position of
+the token being decided; `stream` keeps the three consumers independent (see NoiseStream).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from enum import IntEnum
+
+import torch
+
+_U32 = 0xFFFFFFFF
+_SEED_MIN, _SEED_END = -(1 << 63), 1 << 64
+
+
+class NoiseStream(IntEnum):
+    """Independent noise streams of one request. Each (stream, position) is consumed by
+    at most one committed decision (docs/design.md, "Sampling and acceptance")."""
+
+    SAMPLE = 0  # next-token race (plain decode, residual, bonus), keyed by round's first position
+    ACCEPT = 1  # acceptance uniform of the draft at that position
+    DRAFT = 2  # drafter's race over the top-k support of the draft at that position
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 = greedy; top_k 0 or -1 = off; top_p in (0, 1];
+    seed None = a random seed drawn once by `resolve_seed`."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
+        if isinstance(t, bool) or not isinstance(t, int | float) or not (
+                math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (0 or -1 = off), got {k!r}")
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int)
+                              or not _SEED_MIN <= s < _SEED_END):
+            raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def resolve_seed(self) -> SamplingParams:
+        """Self with a concrete seed; call once at admission so every round agrees."""
+        return self if self.seed is not None else replace(self, seed=secrets.randbits(63))
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """SamplingParams of B sequences as device tensors, one entry per sequence."""
+
+    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64 (two's complement of the 64-bit seed)
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams],
+                    device: torch.device | str = "cpu") -> SamplingBatch:
+        seeds = [p.resolve_seed().seed for p in params]
+        return cls(
+            torch.tensor([float(p.temperature) for p in params], dtype=torch.float32,
+                         device=device),
+            torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=device),
+            torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=device),
+            torch.tensor([s - _SEED_END if s >= 1 << 63 else s for s in seeds],
+                         dtype=torch.int64, device=device))
+
+    def target_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] or [B, T, V] (T rows per sequence) -> p, same shape, float32."""
+        if logits.dim() == 2:
+            return target_probs(logits, self.temperature, self.top_k, self.top_p)
+        b, t, v = logits.shape
+        rows = [x.repeat_interleave(t) for x in (self.temperature, self.top_k, self.top_p)]
+        return target_probs(logits.reshape(b * t, v), *rows).reshape(b, t, v)
+
+
+def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> p [R, V] float32 after temperature, then top-k, then top-p (on the
+    top-k-renormalized distribution), per row. temperature 0 -> one-hot argmax (first
+    index on ties). Top-k keeps exactly k tokens (sort order breaks ties)."""
+    logits = logits.float()
+    greedy = temperature <= 0  # [R]
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    sorted_logits, order = (logits / temp[:, None]).sort(dim=-1, descending=True)  # [R, V]
+    rank = torch.arange(logits.shape[-1], device=logits.device)  # [V]
+    keep = (top_k[:, None] <= 0) | (rank[None, :] < top_k[:, None])  # [R, V]
+    sorted_logits = sorted_logits.masked_fill(~keep, -math.inf)
+    sorted_probs = sorted_logits.softmax(dim=-1)  # [R, V]
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly before each rank
+    # NOTE: top_p >= 1 keeps everything even when float cumsum overshoots 1.
+    keep = keep & ((before < top_p[:, None]) | (top_p[:, None] >= 1))
+    masked = torch.full_like(logits, -math.inf).scatter(
+        -1, order, sorted_logits.masked_fill(~keep, -math.inf))
+    probs = masked.softmax(dim=-1)  # [R, V]
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def sample(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax(w / E) with E ~ Exp(1) picks index i with probability
+    w_i / sum(w), so `probs` [R, W] may be unnormalized weights. noise [R, W] -> [R] int64.
+    One-hot rows return their hot index; zero-weight entries never win (w has a positive
+    entry in every row)."""
+    return (probs / noise).argmax(dim=-1)
+
+
+def uniform(seed: torch.Tensor, stream: int, position: torch.Tensor,
+            width: int) -> torch.Tensor:
+    """U(0, 1) noise [*S, width] float32, a pure function of (seed, stream, position, index).
+    seed, position: int64, broadcastable to [*S]. 23-bit resolution, never 0 or 1."""
+    key = _mix32((seed & _U32) ^ 0x9E3779B9)
+    key = _mix32(key ^ ((seed >> 32) & _U32) ^ ((int(stream) + 1) * 0x85EBCA77 & _U32))
+    key = _mix32(key ^ (position & _U32))  # [*S]
+    index = _mul32(torch.arange(width, device=key.device), 0x9E3779B9)  # [width], Weyl step
+    bits = _mix32((key[..., None] + index) & _U32)  # [*S, width]
+    return ((bits >> 9).float() + 0.5) * 2.0 ** -23
+
+
+def exponential_noise(seed: torch.Tensor, stream: int, position: torch.Tensor,
+                      width: int) -> torch.Tensor:
+    """Exp(1) noise [*S, width] float32 for `sample`, keyed like `uniform`."""
+    return -uniform(seed, stream, position, width).log()
+
+
+def draft_topk(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft distribution q truncated to its top k = noise.shape[-1] tokens and renormalized,
+    after draft temperature; rows with temperature 0 get a point mass on the top token.
+    logits [R, V], temperature [R], noise Exp(1) [R, k] ->
+    token [R] int64, support [R, k] int64 (descending), probs [R, k] float32 (q over support).
+    """
+    k = min(noise.shape[-1], logits.shape[-1])
+    greedy = temperature <= 0  # [R]
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+    top_logits, support = (logits.float() / temp[:, None]).topk(k, dim=-1)  # [R, k]
+    point = torch.zeros_like(top_logits)
+    point[:, 0] = 1.0
+    probs = torch.where(greedy[:, None], point, top_logits.softmax(dim=-1))  # [R, k]
+    pick = sample(probs, noise[:, :k])  # [R]
+    return support.gather(1, pick[:, None]).squeeze(1), support, probs
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32) without int64 overflow (16-bit halves)."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _U32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3 fmix32 on int64 tensors holding values in [0, 2**32): a bijection with
+    full avalanche."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
