@@ -170,9 +170,10 @@ def adapter_for(hf: dict[str, Any], architecture: str | None = None,
     arch = architecture_of(hf, architecture)
     if arch in ARCHITECTURE_FAMILIES:
         return ADAPTERS[ARCHITECTURE_FAMILIES[arch]]
-    if arch in TARGET_FAMILIES and DEEPSEEK.num_modules(hf) > 0:
-        return DEEPSEEK
-    return None
+    if arch not in TARGET_FAMILIES:
+        raise CheckpointError(f"unknown architecture {arch!r}; supported: "
+                              f"{', '.join([*TARGET_FAMILIES, *ARCHITECTURE_FAMILIES])}")
+    return DEEPSEEK if DEEPSEEK.num_modules(hf) > 0 else None
 
 
 def draft_config(hf: dict[str, Any], adapter: MTPAdapter,

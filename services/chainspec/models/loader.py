@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ from chainspec.models.target import TargetModel
 # Buffers that older checkpoints saved; chainspec recomputes them.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 LISTED = 5  # names shown in an error message before "..."
+T = TypeVar("T")
 
 
 def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32,
@@ -61,7 +63,7 @@ def load_draft_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     """The drafter's model: shared embedding and LM head plus the first `num_modules` MTP
     modules (default: all the config declares). `family` overrides the adapter choice."""
     hf = read_hf_config(model_dir)
-    adapter = adapter_for(hf, architecture, family)
+    adapter = _parse_config(model_dir, lambda: adapter_for(hf, architecture, family))
     if adapter is None:
         raise CheckpointError(f"{_config_path(model_dir)}: architecture "
                               f"{architecture_of(hf, architecture)!r} declares no MTP modules")
@@ -83,7 +85,8 @@ def _config_path(model_dir: str | Path) -> Path:
     return Path(model_dir) / "config.json"
 
 
-def _parse_config(model_dir: str | Path, parse: Callable[[], ModelConfig]) -> ModelConfig:
+def _parse_config(model_dir: str | Path, parse: Callable[[], T]) -> T:
+    """Run a config parser; its errors name config.json."""
     try:
         return parse()
     except KeyError as e:
