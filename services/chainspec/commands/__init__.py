@@ -1,0 +1,1 @@
+"""CLI subcommand implementations (thin: parse, delegate, print)."""
