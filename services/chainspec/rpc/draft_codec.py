@@ -1,0 +1,255 @@
+"""Draft stream messages to and from the dataclasses of `messages`.
+
+The verifier encodes `DraftBatch` and decodes `DraftReply`; the drafter does the reverse.
+Both decoders validate per sequence: a bad entry becomes a `SeqFailure` for that
+sequence (INVALID_ARGUMENT, the message names the field) and the rest of the batch goes
+on, so one bad sequence never takes the stream down.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from chainspec.rpc.codec import (
+    WireDType,
+    WireError,
+    check_tokens,
+    decode_array,
+    decode_tensor,
+    encode_rows,
+    encode_tensor,
+    invalid,
+    to_tensors,
+)
+from chainspec.rpc.generated.v1 import drafter_pb2 as pb
+from chainspec.rpc.messages import (
+    DraftBatch,
+    DraftReply,
+    DraftResult,
+    DraftSampling,
+    ErrorCode,
+    SeqFailure,
+    SeqOutcome,
+    SeqUpdate,
+)
+
+# Tolerance on the row sums of a sampled draft distribution.
+PROB_SUM_TOL = 1e-3
+
+
+@dataclass(frozen=True)
+class DraftLimits:
+    """What a peer's messages must fit: the model's shape and the drafter's bounds."""
+
+    hidden_size: int
+    vocab_size: int
+    num_draft_tokens: int  # K
+    max_rows: int | None = None  # rows of one update's hidden
+    max_top_k: int | None = None  # k of sampled drafts
+
+    def __post_init__(self) -> None:
+        if min(self.hidden_size, self.vocab_size, self.num_draft_tokens) < 1:
+            raise ValueError(f"draft limits need positive sizes, got {self}")
+
+
+def _failure(seq_id: int, err: WireError) -> SeqFailure:
+    return SeqFailure(seq_id, ErrorCode(err.code.name), err.message)
+
+
+# ------------------------------------------------------------------- verifier -> drafter
+
+
+def _fill_update(out: pb.SequenceUpdate, u: SeqUpdate) -> None:
+    """Everything of `u` but its hidden rows."""
+    out.seq_id, out.start, out.want_drafts = u.seq_id, u.start, u.want_drafts
+    out.tokens.extend(u.tokens)
+    if u.want_drafts and not u.sampling.greedy:
+        out.sampling.temperature, out.sampling.top_k = u.sampling.temperature, u.sampling.top_k
+        if u.sampling.seed is not None:
+            out.sampling.seed = u.sampling.seed
+
+
+def encode_update(u: SeqUpdate, hidden_dtype: WireDType | str = WireDType.F32) -> pb.SequenceUpdate:
+    msg = pb.SequenceUpdate()
+    _fill_update(msg, u)
+    encode_tensor(u.hidden, hidden_dtype, out=msg.hidden)
+    return msg
+
+
+def _packed_hidden(updates: tuple[SeqUpdate, ...]) -> torch.Tensor:
+    """All updates' hidden rows, [sum(n), H], on their device (the host if mixed)."""
+    hidden = [u.hidden for u in updates]
+    if any(h.device != hidden[0].device for h in hidden):
+        hidden = [h.cpu() for h in hidden]
+    return torch.cat(hidden)
+
+
+def encode_draft_request(batch: DraftBatch,
+                         hidden_dtype: WireDType | str = WireDType.F32) -> pb.DraftRequest:
+    """One conversion (or quantization) and one device-to-host copy for the whole batch."""
+    msg = pb.DraftRequest(batch_id=batch.batch_id, releases=batch.releases)
+    if not batch.updates:
+        return msg
+    rows = encode_rows(_packed_hidden(batch.updates), hidden_dtype)
+    r0 = 0
+    for u in batch.updates:
+        out = msg.updates.add()
+        _fill_update(out, u)
+        rows.fill(out.hidden, r0, r0 + u.num_rows)
+        r0 += u.num_rows
+    return msg
+
+
+def decode_sampling(msg: pb.DraftSampling, limits: DraftLimits, name: str) -> DraftSampling:
+    t, k = msg.temperature, msg.top_k
+    if not (math.isfinite(t) and t >= 0):
+        raise invalid(f"{name}.temperature: must be finite and >= 0, got {t}")
+    if t == 0:
+        return DraftSampling()
+    max_k = limits.max_top_k if limits.max_top_k is not None else limits.vocab_size
+    if not 1 <= k <= max_k:
+        raise invalid(f"{name}.top_k: sampled drafts need 1 <= top_k <= {max_k}, got {k}")
+    seed = msg.seed if msg.HasField("seed") else None
+    return DraftSampling(temperature=t, top_k=k, seed=seed)
+
+
+def _parse_update(msg: pb.SequenceUpdate, limits: DraftLimits,
+                  name: str) -> tuple[tuple[int, ...], np.ndarray, DraftSampling]:
+    """Validated (tokens, hidden [n, H] as a possibly read-only array, sampling)."""
+    tokens = check_tokens(msg.tokens, limits.vocab_size, name=f"{name}.tokens", min_count=1)
+    if not msg.HasField("hidden"):
+        raise invalid(f"{name}.hidden: missing; {len(tokens)} token(s) need {len(tokens)} rows")
+    hidden = decode_array(msg.hidden, name=f"{name}.hidden", expect_cols=limits.hidden_size,
+                          max_rows=limits.max_rows)  # [n, H]
+    if hidden.shape[0] != len(tokens):
+        raise invalid(f"{name}: {len(tokens)} tokens but {hidden.shape[0]} hidden rows; "
+                      f"they must match")
+    sampling = DraftSampling()
+    if msg.want_drafts and msg.HasField("sampling"):
+        sampling = decode_sampling(msg.sampling, limits, f"{name}.sampling")
+    return tuple(tokens), hidden, sampling
+
+
+def decode_update(msg: pb.SequenceUpdate, limits: DraftLimits, name: str = "update") -> SeqUpdate:
+    """Validate one update; raises WireError(INVALID_ARGUMENT) naming the field."""
+    tokens, hidden, sampling = _parse_update(msg, limits, name)
+    (hidden_t,) = to_tensors([hidden])
+    return SeqUpdate(msg.seq_id, msg.start, tokens, hidden_t, msg.want_drafts, sampling)
+
+
+def decode_draft_request(msg: pb.DraftRequest,
+                         limits: DraftLimits) -> tuple[DraftBatch, tuple[SeqFailure, ...]]:
+    """The valid updates as a batch, plus one failure per rejected update.
+
+    The hidden states of the batch land in one packed float32 buffer (one copy); each
+    update's `hidden` is a view of its rows.
+    """
+    parsed: list[tuple[pb.SequenceUpdate, tuple[int, ...], np.ndarray, DraftSampling]] = []
+    failures: list[SeqFailure] = []
+    seen: set[int] = set()
+    for i, u in enumerate(msg.updates):
+        try:
+            if u.seq_id in seen:
+                raise invalid(f"updates[{i}]: seq {u.seq_id} has more than one update "
+                              f"in batch {msg.batch_id}")
+            seen.add(u.seq_id)
+            parsed.append((u, *_parse_update(u, limits, f"updates[{i}]")))
+        except WireError as err:
+            failures.append(_failure(u.seq_id, err))
+    hidden = to_tensors([h for _, _, h, _ in parsed])
+    updates = tuple(SeqUpdate(u.seq_id, u.start, tokens, h, u.want_drafts, sampling)
+                    for (u, tokens, _, sampling), h in zip(parsed, hidden, strict=True))
+    return DraftBatch(msg.batch_id, updates, tuple(msg.releases)), tuple(failures)
+
+
+# ------------------------------------------------------------------- drafter -> verifier
+
+
+def encode_result(r: SeqOutcome) -> pb.SequenceResult:
+    if isinstance(r, SeqFailure):
+        return pb.SequenceResult(error=pb.SequenceError(
+            seq_id=r.seq_id, code=pb.ErrorCode.Value(f"ERROR_CODE_{r.code}"),
+            message=r.message, expected_start=r.expected_start))
+    drafts = pb.Drafts(seq_id=r.seq_id, position=r.position, tokens=r.tokens.tolist(),
+                       draft_time_s=r.draft_time_s)
+    if r.sampled:
+        drafts.support.CopyFrom(encode_tensor(r.support, WireDType.INT32))
+        drafts.probs.CopyFrom(encode_tensor(r.probs, WireDType.F32))
+    return pb.SequenceResult(drafts=drafts)
+
+
+def encode_draft_response(reply: DraftReply) -> pb.DraftResponse:
+    return pb.DraftResponse(batch_id=reply.batch_id,
+                            results=[encode_result(r) for r in reply.results])
+
+
+def decode_error(msg: pb.SequenceError) -> SeqFailure:
+    expected = msg.expected_start if msg.HasField("expected_start") else None
+    name = pb.ErrorCode.Name(msg.code) if msg.code in pb.ErrorCode.values() else ""
+    try:
+        code = ErrorCode(name.removeprefix("ERROR_CODE_"))
+    except ValueError:  # a newer or broken drafter: no resync, just no drafts
+        return SeqFailure(msg.seq_id, ErrorCode.UNAVAILABLE,
+                          f"unknown error code {msg.code}: {msg.message}", expected)
+    return SeqFailure(msg.seq_id, code, msg.message, expected)
+
+
+def _check_support(tokens: torch.Tensor, support: torch.Tensor, probs: torch.Tensor,
+                   limits: DraftLimits, name: str) -> None:
+    k = support.shape[1]
+    if limits.max_top_k is not None and k > limits.max_top_k:
+        raise invalid(f"{name}.support: k = {k} exceeds max_top_k {limits.max_top_k}")
+    if k and (support.min() < 0 or support.max() >= limits.vocab_size):
+        raise invalid(f"{name}.support: token ids must be in [0, {limits.vocab_size})")
+    if ((probs < 0) | (probs > 1)).any():
+        raise invalid(f"{name}.probs: probabilities must be in [0, 1]")
+    sums = probs.sum(dim=1)  # [K]
+    if ((sums - 1).abs() > PROB_SUM_TOL).any():
+        raise invalid(f"{name}.probs: rows must sum to 1, got {sums.tolist()}")
+    # NOTE: acceptance divides by q(d_i); a draft outside its support would be lossy.
+    q = torch.where(support == tokens[:, None], probs, 0).sum(dim=1)  # [K]
+    if (q <= 0).any():
+        bad = int((q <= 0).nonzero()[0, 0])
+        raise invalid(f"{name}.tokens[{bad}] = {int(tokens[bad])} has no probability in "
+                      f"support[{bad}]")
+
+
+def decode_drafts(msg: pb.Drafts, limits: DraftLimits, name: str = "drafts") -> DraftResult:
+    """Validate one sequence's drafts; raises WireError(INVALID_ARGUMENT) naming the field."""
+    K = limits.num_draft_tokens
+    ids = check_tokens(msg.tokens, limits.vocab_size, name=f"{name}.tokens")
+    if len(ids) != K:
+        raise invalid(f"{name}.tokens: expected K = {K} drafts, got {len(ids)}")
+    tokens = torch.tensor(ids, dtype=torch.int64)  # [K]
+    if msg.HasField("support") != msg.HasField("probs"):
+        raise invalid(f"{name}: support and probs must both be set or both be absent")
+    support = probs = None
+    if msg.HasField("support"):
+        support = decode_tensor(msg.support, name=f"{name}.support")  # [K, k]
+        k = support.shape[-1]
+        if support.dim() != 2 or support.shape[0] != K:
+            raise invalid(f"{name}.support: expected shape [{K}, k], got {list(support.shape)}")
+        probs = decode_tensor(msg.probs, name=f"{name}.probs", expect_cols=k)  # [K, k]
+        if probs.shape[0] != K:
+            raise invalid(f"{name}.probs: expected shape [{K}, {k}], got {list(probs.shape)}")
+        _check_support(tokens, support, probs, limits, name)
+    return DraftResult(msg.seq_id, msg.position, tokens, support, probs, msg.draft_time_s)
+
+
+def decode_draft_response(msg: pb.DraftResponse, limits: DraftLimits) -> DraftReply:
+    """Drafts and failures; drafts that fail validation become INVALID_ARGUMENT failures."""
+    results: list[SeqOutcome] = []
+    for i, r in enumerate(msg.results):
+        kind = r.WhichOneof("outcome")
+        if kind == "error":
+            results.append(decode_error(r.error))
+        elif kind == "drafts":
+            try:
+                results.append(decode_drafts(r.drafts, limits, f"results[{i}].drafts"))
+            except WireError as err:
+                results.append(_failure(r.drafts.seq_id, err))
+    return DraftReply(msg.batch_id, tuple(results))
