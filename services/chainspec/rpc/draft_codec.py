@@ -210,7 +210,8 @@ def _check_support(tokens: torch.Tensor, support: torch.Tensor, probs: torch.Ten
     sums = probs.sum(dim=1)  # [K]
     if ((sums - 1).abs() > PROB_SUM_TOL).any():
         raise invalid(f"{name}.probs: rows must sum to 1, got {sums.tolist()}")
-    # NOTE: acceptance divides by q(d_i); a draft outside its support would be lossy.
+    # NOTE: q(d_i) = 0 (a draft outside its own support) is a drafter bug; rejecting it
+    # here means a plain decode round instead of trusting a broken q.
     q = torch.where(support == tokens[:, None], probs, 0).sum(dim=1)  # [K]
     if (q <= 0).any():
         bad = int((q <= 0).nonzero()[0, 0])
