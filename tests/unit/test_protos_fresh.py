@@ -8,9 +8,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf.descriptor_pb2 import DescriptorProto, FileDescriptorProto
+
 from chainspec.rpc import build_protos, wire_lock
 from chainspec.rpc.generated import GRPC_TOOLS_VERSION
-from google.protobuf.descriptor_pb2 import DescriptorProto, FileDescriptorProto
 
 
 @pytest.fixture(scope="module")
