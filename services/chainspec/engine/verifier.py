@@ -36,6 +36,7 @@ class VerifierConfig:
     max_len: int = 2048
     max_batch_tokens: int = 1024
     prefill_chunk: int = 512
+    sampled_drafts: bool = True  # sampled requests get top-k sampled drafts, else greedy
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -160,6 +161,7 @@ class VerifierEngine:
         return SeqUpdate(self.seq_ids[req.request_id], 0, tuple(req.tokens[1:n + 1]),
                          hidden.float().cpu(), True, self._draft_sampling(req))
 
+
     def _admit(self) -> None:
         while self.waiting and self.free_slots:
             req = self.waiting.pop(0)
@@ -254,7 +256,6 @@ class VerifierEngine:
         return SeqUpdate(self.seq_ids[req.request_id], item.start, tokens, hidden,
                          want_drafts=verdict is not None, sampling=self._draft_sampling(req))
 
-    @staticmethod
-    def _draft_sampling(req: Request) -> DraftSampling:
+    def _draft_sampling(self, req: Request) -> DraftSampling:
         s = req.sampling
-        return DraftSampling(s.temperature, s.seed)
+        return DraftSampling(s.temperature if self.config.sampled_drafts else 0.0, s.seed)

@@ -1,0 +1,48 @@
+"""Tiny target + drafter pairs wired into verifier engines, for engine tests."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from chainspec.engine.draft_client import LocalDraftClient
+from chainspec.engine.drafter import DrafterConfig, DrafterEngine
+from chainspec.engine.request import StopConditions
+from chainspec.engine.runner import run_to_completion
+from chainspec.engine.sampling import SamplingParams
+from chainspec.engine.verifier import VerifierConfig, VerifierEngine
+from tests.unit.tiny_models import tiny_draft_model, tiny_target
+
+
+def tied_pair(vocab: int = 61, modules: int = 2, seed: int = 0):
+    """A tiny target and an MTP draft model sharing its embedding and head."""
+    target = tiny_target(seed=seed, vocab=vocab)
+    draft = tiny_draft_model(modules, seed=seed + 1, vocab=vocab)
+    draft.embed_tokens.weight = target.model.embed_tokens.weight
+    draft.lm_head.weight = target.lm_head.weight
+    return target, draft
+
+
+def engine(target, draft=None, k: int = 3, chain: bool = True, max_seqs: int = 8,
+           chunk: int = 512, client=None, top_k: int = 4, sampled_drafts: bool = True,
+           eos_ids: Sequence[int] = (), detokenize=None) -> VerifierEngine:
+    if client is None and draft is not None:
+        client = LocalDraftClient(DrafterEngine(draft, DrafterConfig(
+            num_steps=k, chain=chain, max_seqs=max_seqs, max_len=256, top_k=top_k)))
+    cfg = VerifierConfig(num_steps=k, max_seqs=max_seqs, max_len=256, prefill_chunk=chunk,
+                         max_batch_tokens=max(64, max_seqs * (k + 1)),
+                         sampled_drafts=sampled_drafts)
+    return VerifierEngine(target, cfg, client, eos_ids, detokenize)
+
+
+def prompts(n: int, vocab: int = 61, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(2, 24))] for _ in range(n)]
+
+
+def outputs(eng: VerifierEngine, batch: Sequence[Sequence[int]], max_tokens: int = 20,
+            temperature: float = 0.0, seeds: Sequence[int] | None = None):
+    params = [SamplingParams(temperature=temperature, seed=s)
+              for s in (seeds or range(len(batch)))]
+    result = run_to_completion(eng, batch, params, StopConditions(max_tokens=max_tokens))
+    return [c.tokens for c in result.completions], result

@@ -1,0 +1,82 @@
+"""End-to-end losslessness under sampling: through the real verifier and drafter, the joint
+distribution of the first two generated tokens is the same with and without speculation,
+for point-mass and top-k draft distributions; a broken acceptance rule is caught."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from chainspec.engine import acceptance
+from chainspec.engine.request import StopConditions
+from chainspec.engine.runner import run_to_completion
+from chainspec.engine.sampling import SamplingParams
+from tests.unit.engine_fixtures import engine, tied_pair
+from tests.unit.stats import chi_square_two_sample
+
+VOCAB, REQUESTS, BATCH = 8, 3000, 100
+PROMPT = [1, 5, 2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: threading costs more than it saves here
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, draft = tied_pair(vocab=VOCAB, modules=2, seed=4)
+    with torch.no_grad():  # soften both so that p and q overlap but differ
+        target.lm_head.weight.mul_(0.15)
+    return target, draft
+
+
+def first_two(eng, seed_base: int) -> collections.Counter:
+    """Counts of (x1, x2); also records how many drafts were proposed and accepted."""
+    counts: collections.Counter = collections.Counter()
+    stop = StopConditions(max_tokens=2)
+    eng.drafted = eng.accepted = 0
+    for b in range(0, REQUESTS, BATCH):
+        params = [SamplingParams(temperature=1.0, seed=seed_base + b + i) for i in range(BATCH)]
+        result = run_to_completion(eng, [PROMPT] * BATCH, params, stop)
+        counts.update(tuple(c.tokens) for c in result.completions)
+        eng.drafted += sum(c.stats.draft_tokens for c in result.completions)
+        eng.accepted += sum(c.stats.accepted_tokens for c in result.completions)
+    return counts
+
+
+def table(counts: collections.Counter) -> list[int]:
+    return [counts[(a, b)] for a in range(VOCAB) for b in range(VOCAB)]
+
+
+@pytest.fixture(scope="module")
+def plain_counts(pair):
+    target, _ = pair
+    return first_two(engine(target, max_seqs=BATCH), seed_base=10_000_000)
+
+
+@pytest.mark.parametrize("sampled_drafts,top_k", [(False, 4), (True, 3)])
+def test_speculative_sampling_matches_plain(pair, plain_counts, sampled_drafts, top_k) -> None:
+    target, draft = pair
+    eng = engine(target, draft, k=2, max_seqs=BATCH, top_k=top_k,
+                 sampled_drafts=sampled_drafts)
+    spec = first_two(eng, seed_base=0)
+    # x2 was decided by a verify round for every request, and drafts were really at stake:
+    assert eng.drafted == 2 * REQUESTS
+    assert 0.05 * eng.drafted < eng.accepted < 0.9 * eng.drafted
+    assert chi_square_two_sample(table(spec), table(plain_counts)) > 1e-3
+
+
+def test_broken_rule_is_detected(pair, plain_counts, monkeypatch) -> None:
+    """The same comparison must reject a rule that accepts every draft."""
+    target, draft = pair
+    monkeypatch.setattr(acceptance, "draft_acceptance", lambda p, q, u: torch.ones_like(p,
+                        dtype=torch.bool))
+    eng = engine(target, draft, k=2, max_seqs=BATCH, top_k=3, sampled_drafts=True)
+    spec = first_two(eng, seed_base=0)
+    assert chi_square_two_sample(table(spec), table(plain_counts)) < 1e-6

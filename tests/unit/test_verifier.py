@@ -1,0 +1,212 @@
+"""Verifier engine: losslessness across configurations and under drafter faults, stop
+conditions, cancellation, admission errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from chainspec.engine.draft_client import LocalDraftClient
+from chainspec.engine.draft_types import FAILED_PRECONDITION, Drafts, SeqFailure
+from chainspec.engine.drafter import DrafterConfig, DrafterEngine
+from chainspec.engine.request import FinishReason, StopConditions
+from chainspec.engine.sampling import SamplingParams
+from tests.unit.engine_fixtures import engine, outputs, prompts, tied_pair
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tied_pair()
+
+
+@pytest.fixture(scope="module")
+def plain_reference(pair):
+    target, _ = pair
+    return outputs(engine(target), prompts(8))[0]
+
+
+@pytest.mark.parametrize("chain", [True, False])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_greedy_speculative_equals_plain(pair, plain_reference, k, batch, chain) -> None:
+    target, draft = pair
+    got = []
+    eng = engine(target, draft, k=k, chain=chain, max_seqs=batch)
+    ps = prompts(8)
+    for i in range(0, 8, batch):
+        got += outputs(eng, ps[i:i + batch])[0]
+    assert got == plain_reference
+
+
+def test_chunked_prefill_is_lossless(pair, plain_reference) -> None:
+    target, draft = pair
+    assert outputs(engine(target, draft, chunk=5), prompts(8))[0] == plain_reference
+    assert outputs(engine(target, None, chunk=3), prompts(8))[0] == plain_reference
+
+
+def test_oracle_drafter_is_fully_accepted(pair) -> None:
+    """A drafter that proposes exactly the target's greedy continuation gets every draft
+    accepted: acceptance is measured, not assumed."""
+    target, _ = pair
+    ps = prompts(3)
+    truth = outputs(engine(target), ps, max_tokens=40)[0]
+    eng = engine(target, k=3, client=OracleClient(ps, truth, 3))
+    got, result = outputs(eng, ps, max_tokens=40)
+    assert got == truth
+    stats = [c.stats for c in result.completions]
+    assert all(s.accepted_tokens == s.draft_tokens > 0 for s in stats)
+    assert all(s.acceptance_length > 3.5 for s in stats)
+
+
+class OracleClient:
+    """Proposes the true next K tokens of each sequence (known in advance)."""
+
+    def __init__(self, ps, truth, k) -> None:
+        self.full = {i: list(p) + list(t) for i, (p, t) in enumerate(zip(ps, truth, strict=True))}
+        self.k, self.ready = k, {}
+
+    def submit(self, updates) -> None:
+        for u in updates:
+            n = u.start + len(u.tokens)  # index of the newest committed token
+            seq = self.full[u.seq_id]
+            drafts = (seq[n + 1:n + 1 + self.k] + [0] * self.k)[: self.k]
+            self.ready[u.seq_id] = Drafts(u.seq_id, torch.tensor(drafts))
+
+    def collect(self):
+        ready, self.ready = self.ready, {}
+        return ready
+
+    def release(self, ids) -> None:
+        pass
+
+
+class FaultyClient(LocalDraftClient):
+    """Loses, garbles and desyncs drafter state at random; output must not change."""
+
+    def __init__(self, drafter: DrafterEngine, seed: int) -> None:
+        super().__init__(drafter)
+        self.rng = random.Random(seed)
+        self.faults = {"late": 0, "garbled": 0, "restart": 0}
+
+    def collect(self):
+        out = {}
+        for seq_id, outcome in super().collect().items():
+            roll = self.rng.random()
+            if roll < 0.15:
+                self.faults["late"] += 1  # never arrives: plain decode this round
+                continue
+            if roll < 0.3 and isinstance(outcome, Drafts):
+                self.faults["garbled"] += 1  # stale or wrong proposal
+                outcome = Drafts(seq_id, torch.randint(0, 61, outcome.tokens.shape))
+            elif roll < 0.4:
+                self.faults["restart"] += 1  # the drafter lost the sequence
+                self.engine.release([seq_id])
+                outcome = SeqFailure(seq_id, FAILED_PRECONDITION, "restarted")
+            out[seq_id] = outcome
+        return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_drafter_faults_never_change_output(pair, temperature) -> None:
+    target, draft = pair
+    ps = prompts(8, seed=3)
+    seeds = list(range(8))
+    reference = outputs(engine(target), ps, 30, temperature, seeds)[0]
+    drafter = DrafterEngine(draft, DrafterConfig(num_steps=3, max_seqs=8, max_len=256, top_k=4))
+    client = FaultyClient(drafter, seed=1)
+    eng = engine(target, k=3, client=client, sampled_drafts=False)
+    got, result = outputs(eng, ps, 30, temperature, seeds)
+    if temperature == 0.0:
+        assert got == reference
+    else:  # point-mass drafts, same seeds: the sampled output need not match plain's,
+        assert all(len(g) == 30 for g in got)  # but every request completes
+    assert min(client.faults.values()) > 0
+    assert eng.resyncs > 0
+    assert sum(c.stats.fallback_rounds for c in result.completions) > 0
+
+
+def test_stop_conditions(pair) -> None:
+    target, draft = pair
+    ps = prompts(4, seed=5)
+    free = outputs(engine(target), ps, 30)[0]
+    stop_tok = free[0][5]
+    eng = engine(target, draft, eos_ids=[free[1][3]])
+    params = SamplingParams(temperature=0.0)
+    eng.add_request("a", ps[0], params, StopConditions(max_tokens=30, stop_token_ids=(stop_tok,)))
+    eng.add_request("b", ps[1], params, StopConditions(max_tokens=30))
+    eng.add_request("c", ps[2], params, StopConditions(max_tokens=7))
+    eng.add_request("d", ps[1], params, StopConditions(max_tokens=30, ignore_eos=True))
+    got, reasons = {k: [] for k in "abcd"}, {}
+    while eng.has_work:
+        for out in eng.step():
+            got[out.request_id] += out.new_tokens
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    first = free[0].index(stop_tok)
+    assert got["a"] == free[0][:first + 1] and reasons["a"] is FinishReason.STOP
+    eos_at = free[1].index(free[1][3])
+    assert got["b"] == free[1][:eos_at + 1] and reasons["b"] is FinishReason.EOS
+    assert got["c"] == free[2][:7] and reasons["c"] is FinishReason.LENGTH
+    assert got["d"] == free[1] and reasons["d"] is FinishReason.LENGTH
+
+
+def test_stop_string(pair) -> None:
+    target, draft = pair
+    ps = prompts(1, seed=6)
+    free = outputs(engine(target), ps, 20)[0][0]
+
+    def detok(ids):
+        return "".join(f"<{i}>" for i in ids)
+
+    needle = detok(free[4:6])
+    eng = engine(target, draft, detokenize=detok)
+    eng.add_request("s", ps[0], SamplingParams(temperature=0.0),
+                    StopConditions(max_tokens=20, stop_strings=(needle,)))
+    outs = []
+    while eng.has_work:
+        outs += eng.step()
+    tokens = [t for o in outs for t in o.new_tokens]
+    assert tokens == free[:6]
+    assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_string == needle
+
+
+def test_abort_frees_slot_and_drafter_state(pair) -> None:
+    target, draft = pair
+    eng = engine(target, draft, max_seqs=2)
+    params = SamplingParams(temperature=0.0)
+    for rid in ("x", "y", "z"):
+        eng.add_request(rid, prompts(1)[0], params, StopConditions(max_tokens=50))
+    eng.step()
+    eng.step()
+    assert eng.abort("x") and eng.abort("z")  # x is running, z still waiting
+    finished = {o.request_id: o.finish_reason for o in eng.step() if o.finished}
+    assert finished == {"x": FinishReason.ABORT, "z": FinishReason.ABORT}
+    assert eng.num_running == 1
+    assert eng.drafter.engine.load == 1
+    while eng.has_work:
+        eng.step()
+    assert eng.drafter.engine.load == 0 and len(eng.free_slots) == 2
+
+
+@pytest.mark.parametrize("prompt,stop,message", [
+    ([], StopConditions(), "at least one token"),
+    ([61], StopConditions(), "token ids"),
+    ([1] * 240, StopConditions(max_tokens=20), "context limit"),
+])
+def test_admission_errors(pair, prompt, stop, message) -> None:
+    target, _ = pair
+    eng = engine(target)
+    with pytest.raises(ValueError, match=message):
+        eng.add_request("bad", prompt, SamplingParams(temperature=0.0), stop)
+    assert not eng.has_work
+
+
+def test_sampled_output_is_reproducible_per_seed(pair) -> None:
+    target, draft = pair
+    ps = prompts(3, seed=9)
+    a = outputs(engine(target, draft), ps, 15, 0.8, [1, 2, 3])[0]
+    b = outputs(engine(target, draft, max_seqs=1), ps, 15, 0.8, [1, 2, 3])[0]
+    c = outputs(engine(target, draft), ps, 15, 0.8, [4, 5, 6])[0]
+    assert a == b != c
