@@ -10,7 +10,7 @@ from chainspec.engine.local import LocalOptions, build_verifier, load_models
 from chainspec.engine.request import StopConditions
 from chainspec.engine.runner import merged_stats, run_to_completion
 from chainspec.engine.sampling import SamplingParams
-from chainspec.models.tokenizer import load_tokenizer
+from chainspec.models.tokenizer import Tokenizer
 
 FALLBACK_PROMPTS = ("def fibonacci(n):", "import os\n", "class Config:\n", "for i in range(")
 
@@ -37,9 +37,10 @@ def load_prompts(model_dir: Path, count: int) -> list[str]:
 
 
 def run_bench(local: LocalOptions, bench: BenchOptions) -> dict:
-    tok = load_tokenizer(local.model_dir)
+    tok = Tokenizer.from_dir(local.model_dir)
     models = load_models(local, speculative=True)
-    engines = {spec: build_verifier(models, local, spec, tok.eos_ids) for spec in (True, False)}
+    engines = {spec: build_verifier(models, local, spec, tok.eos_token_ids)
+               for spec in (True, False)}
     prompts = [tok.encode(p) for p in load_prompts(local.model_dir, bench.num_prompts)]
     greedy, stop = SamplingParams(temperature=0.0), StopConditions(max_tokens=bench.max_tokens,
                                                                    ignore_eos=True)

@@ -6,9 +6,7 @@ import grpc
 import pytest
 import torch
 
-from chainspec.rpc import draft_codec as dc
-from chainspec.rpc.generated.v1 import drafter_pb2 as pb
-from chainspec.rpc.messages import (
+from chainspec.engine.draft_types import (
     DraftBatch,
     DraftReply,
     DraftResult,
@@ -17,6 +15,8 @@ from chainspec.rpc.messages import (
     SeqFailure,
     SeqUpdate,
 )
+from chainspec.rpc import draft_codec as dc
+from chainspec.rpc.generated.v1 import drafter_pb2 as pb
 
 H, V, K = 8, 100, 3
 LIMITS = dc.DraftLimits(hidden_size=H, vocab_size=V, num_draft_tokens=K, max_rows=16,

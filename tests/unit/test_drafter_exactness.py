@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from chainspec.engine.draft_types import FAILED_PRECONDITION, SeqFailure, SeqUpdate
+from chainspec.engine.draft_types import ErrorCode, SeqFailure, SeqUpdate
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from tests.unit.draft_reference import reference_drafts
 from tests.unit.tiny_models import tiny_draft_model
@@ -100,9 +100,9 @@ def test_out_of_sync_start_fails_alone() -> None:
                               SeqUpdate(2, upd_b.start, upd_b.tokens, upd_b.hidden),
                               SeqUpdate(9, 3, (1,), torch.randn(1, HIDDEN))])
     bad, good, unknown = outcomes
-    assert isinstance(bad, SeqFailure) and bad.code == FAILED_PRECONDITION
+    assert isinstance(bad, SeqFailure) and bad.code == ErrorCode.FAILED_PRECONDITION
     assert bad.expected_start == upd_a.start
-    assert isinstance(unknown, SeqFailure) and unknown.code == FAILED_PRECONDITION
+    assert isinstance(unknown, SeqFailure) and unknown.code == ErrorCode.FAILED_PRECONDITION
     expected, _ = reference_drafts(model, b.tokens, b.hidden, 2, True)
     assert good.tokens.tolist() == expected
     # The failed sequence is still at its old state: the right start continues it.
@@ -111,8 +111,6 @@ def test_out_of_sync_start_fails_alone() -> None:
 
 
 @pytest.mark.parametrize("update,code", [
-    (SeqUpdate(1, 0, (), torch.zeros(0, HIDDEN)), "INVALID_ARGUMENT"),
-    (SeqUpdate(1, 0, (1, 2), torch.zeros(3, HIDDEN)), "INVALID_ARGUMENT"),
     (SeqUpdate(1, 0, (1,), torch.zeros(1, HIDDEN + 1)), "INVALID_ARGUMENT"),
     (SeqUpdate(1, 0, (VOCAB,), torch.zeros(1, HIDDEN)), "INVALID_ARGUMENT"),
     (SeqUpdate(1, 0, (1,), torch.full((1, HIDDEN), float("nan"))), "INVALID_ARGUMENT"),
@@ -128,6 +126,12 @@ def test_bad_updates_get_a_code_and_spare_the_rest(update: SeqUpdate, code: str)
     assert good_out.tokens.tolist() == reference_drafts(model, good.tokens, good.hidden, 2,
                                                         True)[0]
     assert engine.load == 1
+
+
+def test_malformed_updates_cannot_be_built() -> None:
+    for tokens, rows in (((), 0), ((1, 2), 3)):
+        with pytest.raises(ValueError, match="hidden"):
+            SeqUpdate(1, 0, tokens, torch.zeros(rows, HIDDEN))
 
 
 def test_capacity_and_release() -> None:

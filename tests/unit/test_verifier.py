@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from chainspec.engine.draft_client import LocalDraftClient
-from chainspec.engine.draft_types import FAILED_PRECONDITION, Drafts, SeqFailure
+from chainspec.engine.draft_types import DraftResult, ErrorCode, SeqFailure
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from chainspec.engine.request import FinishReason, StopConditions
 from chainspec.engine.sampling import SamplingParams
@@ -72,7 +72,7 @@ class OracleClient:
             n = u.start + len(u.tokens)  # index of the newest committed token
             seq = self.full[u.seq_id]
             drafts = (seq[n + 1:n + 1 + self.k] + [0] * self.k)[: self.k]
-            self.ready[u.seq_id] = Drafts(u.seq_id, torch.tensor(drafts))
+            self.ready[u.seq_id] = DraftResult(u.seq_id, n, torch.tensor(drafts))
 
     def collect(self):
         ready, self.ready = self.ready, {}
@@ -97,13 +97,14 @@ class FaultyClient(LocalDraftClient):
             if roll < 0.15:
                 self.faults["late"] += 1  # never arrives: plain decode this round
                 continue
-            if roll < 0.3 and isinstance(outcome, Drafts):
-                self.faults["garbled"] += 1  # stale or wrong proposal
-                outcome = Drafts(seq_id, torch.randint(0, 61, outcome.tokens.shape))
+            if roll < 0.3 and isinstance(outcome, DraftResult):
+                self.faults["garbled"] += 1  # wrong proposal
+                outcome = DraftResult(seq_id, outcome.position,
+                                      torch.randint(0, 61, outcome.tokens.shape))
             elif roll < 0.4:
                 self.faults["restart"] += 1  # the drafter lost the sequence
                 self.engine.release([seq_id])
-                outcome = SeqFailure(seq_id, FAILED_PRECONDITION, "restarted")
+                outcome = SeqFailure(seq_id, ErrorCode.FAILED_PRECONDITION, "restarted")
             out[seq_id] = outcome
         return out
 

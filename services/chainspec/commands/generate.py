@@ -8,15 +8,15 @@ from chainspec.engine.local import LocalOptions, build_verifier, load_models
 from chainspec.engine.request import StopConditions
 from chainspec.engine.runner import merged_stats, run_to_completion
 from chainspec.engine.sampling import SamplingParams
-from chainspec.models.tokenizer import load_tokenizer
+from chainspec.models.tokenizer import Tokenizer
 
 
 def generate(args: argparse.Namespace, local: LocalOptions) -> int:
-    tok = load_tokenizer(local.model_dir)
+    tok = Tokenizer.from_dir(local.model_dir)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     stop = StopConditions(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     models = load_models(local, speculative=args.spec)
-    engine = build_verifier(models, local, args.spec, tok.eos_ids, tok.decode)
+    engine = build_verifier(models, local, args.spec, tok.eos_token_ids, tok.decode)
     prompts = [tok.encode(p) for p in args.prompt]
     result = run_to_completion(engine, prompts, sampling, stop)
     for text, c in zip(args.prompt, result.completions, strict=True):

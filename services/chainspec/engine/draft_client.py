@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from chainspec.engine.draft_types import DraftOutcome, SeqUpdate
+from chainspec.engine.draft_types import SeqOutcome, SeqUpdate
 from chainspec.engine.drafter import DrafterEngine
 
 
@@ -14,7 +14,7 @@ class DraftClient(Protocol):
     def submit(self, updates: Sequence[SeqUpdate]) -> None:
         """Send one batch of updates; drafts come back through `collect`."""
 
-    def collect(self) -> dict[int, DraftOutcome]:
+    def collect(self) -> dict[int, SeqOutcome]:
         """Outcomes for submitted updates that arrived in time (may be partial)."""
 
     def release(self, seq_ids: Sequence[int]) -> None:
@@ -26,13 +26,13 @@ class LocalDraftClient:
 
     def __init__(self, engine: DrafterEngine) -> None:
         self.engine = engine
-        self._ready: dict[int, DraftOutcome] = {}
+        self._ready: dict[int, SeqOutcome] = {}
 
     def submit(self, updates: Sequence[SeqUpdate]) -> None:
         for upd, outcome in zip(updates, self.engine.update(updates), strict=True):
             self._ready[upd.seq_id] = outcome
 
-    def collect(self) -> dict[int, DraftOutcome]:
+    def collect(self) -> dict[int, SeqOutcome]:
         ready, self._ready = self._ready, {}
         return ready
 

@@ -1,38 +1,52 @@
-"""What the verifier and a drafter say to each other, independent of transport.
+"""What a verifier and a drafter say to each other, as plain values.
 
-Rows follow DESIGN 3.1: an update for a sequence carries `start` = N (the first row whose
-hidden state it brings), the committed tokens x[N+1 .. N+n] and the target hidden states
-h[N .. N+n-1]. Row p thus arrives as the pair (h_p, x[p+1]).
+Transport-neutral: the in-process engine and the gRPC codec (`rpc/draft_codec`) use the
+same frozen dataclasses; nothing here imports grpc or protobuf. Rows follow DESIGN 3.1: an
+update carries `start` = N, the committed tokens x[N+1 .. N+n] and the target hidden
+states h[N .. N+n-1], so row p arrives as the pair (h_p, x[p+1]). Field meanings follow
+`protos/chainspec/v1/drafter.proto`. `__post_init__` checks shapes only (no device sync);
+untrusted input is validated by the codec before it gets here.
 """
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass
 
 import torch
 
-# Per-sequence error codes; names match grpc.StatusCode members.
-INVALID_ARGUMENT = "INVALID_ARGUMENT"
-FAILED_PRECONDITION = "FAILED_PRECONDITION"
-RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-UNAVAILABLE = "UNAVAILABLE"
+
+class ErrorCode(enum.StrEnum):
+    """Per-sequence error status, named (and valued) as the grpc.StatusCode member."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    UNAVAILABLE = "UNAVAILABLE"
 
 
 @dataclass(frozen=True)
 class DraftSampling:
-    """How drafts are proposed: greedy (temperature 0) or sampled from the top-k-truncated
-    draft distribution at `temperature`. `seed` makes sampled drafts reproducible."""
+    """How drafts are drawn: greedy (temperature 0) or sampled from the top-k tokens.
+
+    `seed` makes sampled drafts reproducible; None draws fresh randomness.
+    """
 
     temperature: float = 0.0
+    top_k: int = 0
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ValueError(f"draft temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"draft temperature must be finite and >= 0, "
+                             f"got {self.temperature}")
+        if self.temperature > 0 and self.top_k < 1:
+            raise ValueError(f"sampled drafts need top_k >= 1, got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature == 0
 
 
 GREEDY = DraftSampling()
@@ -40,28 +54,88 @@ GREEDY = DraftSampling()
 
 @dataclass(frozen=True)
 class SeqUpdate:
+    """New committed rows of one sequence: tokens[i] = x[start + i + 1], hidden = h[start..]."""
+
     seq_id: int
     start: int
-    tokens: tuple[int, ...]  # x[start+1 .. start+n]
-    hidden: torch.Tensor  # [n, H]: h[start .. start+n-1]
+    tokens: tuple[int, ...]  # [n]
+    hidden: torch.Tensor  # [n, H]
     want_drafts: bool = True
     sampling: DraftSampling = GREEDY
 
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if self.hidden.dim() != 2 or self.hidden.shape[0] != n or n == 0:
+            raise ValueError(f"update of seq {self.seq_id}: {n} tokens need hidden [n >= 1, H],"
+                             f" got {list(self.hidden.shape)}")
+        if self.start < 0:
+            raise ValueError(f"update of seq {self.seq_id}: start {self.start} < 0")
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def end(self) -> int:
+        """Position the next update of this sequence starts at (the new bonus index N')."""
+        return self.start + len(self.tokens)
+
 
 @dataclass(frozen=True)
-class Drafts:
+class DraftResult:
+    """K drafts following bonus position `position`; support/probs only when sampled."""
+
     seq_id: int
+    position: int
     tokens: torch.Tensor  # [K] int64
-    support: torch.Tensor | None = None  # [K, k] int64, sampled drafts only
-    probs: torch.Tensor | None = None  # [K, k] float32, q over `support`
+    support: torch.Tensor | None = None  # [K, k] int64 token ids
+    probs: torch.Tensor | None = None  # [K, k] float32, rows sum to 1
+    draft_time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 1:
+            raise ValueError(f"drafts of seq {self.seq_id}: tokens must be [K], "
+                             f"got {list(self.tokens.shape)}")
+        if (self.support is None) != (self.probs is None):
+            raise ValueError(f"drafts of seq {self.seq_id}: support and probs go together")
+        if self.support is None:
+            return
+        shape = (self.tokens.shape[0], self.support.shape[-1])
+        if tuple(self.support.shape) != shape or tuple(self.probs.shape) != shape:
+            raise ValueError(f"drafts of seq {self.seq_id}: support {list(self.support.shape)}"
+                             f" and probs {list(self.probs.shape)} must both be [K, k],"
+                             f" K = {self.tokens.shape[0]}")
+
+    @property
+    def sampled(self) -> bool:
+        return self.support is not None
 
 
 @dataclass(frozen=True)
 class SeqFailure:
+    """Why one sequence got no drafts; its update was dropped."""
+
     seq_id: int
-    code: str
+    code: ErrorCode
     message: str
-    expected_start: int | None = None
+    expected_start: int | None = None  # FAILED_PRECONDITION: where the drafter can resume
 
 
-DraftOutcome = Drafts | SeqFailure
+SeqOutcome = DraftResult | SeqFailure
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """One step's work for a drafter. Releases apply before updates."""
+
+    batch_id: int
+    updates: tuple[SeqUpdate, ...] = ()
+    releases: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class DraftReply:
+    """The answer to one DraftBatch: drafts and failures in update order."""
+
+    batch_id: int
+    results: tuple[SeqOutcome, ...] = ()

@@ -14,15 +14,7 @@ import torch
 
 from chainspec.engine.draft_batch import Window, build_compact
 from chainspec.engine.draft_step import DraftOutput, draft_round
-from chainspec.engine.draft_types import (
-    FAILED_PRECONDITION,
-    INVALID_ARGUMENT,
-    RESOURCE_EXHAUSTED,
-    DraftOutcome,
-    Drafts,
-    SeqFailure,
-    SeqUpdate,
-)
+from chainspec.engine.draft_types import DraftResult, ErrorCode, SeqFailure, SeqOutcome, SeqUpdate
 from chainspec.engine.graph_runner import GraphRunner, StaticDraftBuffers, default_buckets
 from chainspec.models.kv_cache import KVCache
 from chainspec.models.mtp import MTPDraftModel
@@ -57,7 +49,7 @@ class _SeqState:
 
 
 class DrafterEngine:
-    """`update(batch of SeqUpdate) -> list of Drafts | SeqFailure`, one per update."""
+    """`update(batch of SeqUpdate) -> list of DraftResult | SeqFailure`, one per update."""
 
     def __init__(self, model: MTPDraftModel, config: DrafterConfig) -> None:
         self.model = model.eval()
@@ -93,9 +85,9 @@ class DrafterEngine:
                 self.free_slots.append(state.slot)
 
     @torch.inference_mode()
-    def update(self, updates: Sequence[SeqUpdate]) -> list[DraftOutcome]:
+    def update(self, updates: Sequence[SeqUpdate]) -> list[SeqOutcome]:
         """Apply updates and draft. Bad updates fail alone; the others proceed."""
-        outcomes: list[DraftOutcome | None] = [None] * len(updates)
+        outcomes: list[SeqOutcome | None] = [None] * len(updates)
         accepted: list[tuple[int, SeqUpdate, Window]] = []
         seen: set[int] = set()
         for i, upd in enumerate(updates):
@@ -116,7 +108,7 @@ class DrafterEngine:
 
     def _check(self, upd: SeqUpdate, seen: set[int]) -> SeqFailure | None:
         def bad(msg: str) -> SeqFailure:
-            return SeqFailure(upd.seq_id, INVALID_ARGUMENT, msg)
+            return SeqFailure(upd.seq_id, ErrorCode.INVALID_ARGUMENT, msg)
         n = len(upd.tokens)
         if upd.seq_id in seen:
             return bad(f"sequence {upd.seq_id} appears twice in one batch")
@@ -130,7 +122,7 @@ class DrafterEngine:
         if not bool(torch.isfinite(upd.hidden).all()):
             return bad("hidden contains non-finite values")
         if upd.start < 0 or upd.start + n + self.config.num_steps > self.config.max_len:
-            return SeqFailure(upd.seq_id, RESOURCE_EXHAUSTED,
+            return SeqFailure(upd.seq_id, ErrorCode.RESOURCE_EXHAUSTED,
                               f"rows up to {upd.start + n} exceed the drafter's max_len "
                               f"{self.config.max_len} minus K")
         return None
@@ -140,7 +132,7 @@ class DrafterEngine:
         if upd.start == 0:  # a new sequence, or a resync from scratch
             if state is None:
                 if not self.free_slots:
-                    return None, SeqFailure(upd.seq_id, RESOURCE_EXHAUSTED,
+                    return None, SeqFailure(upd.seq_id, ErrorCode.RESOURCE_EXHAUSTED,
                                             f"drafter is full ({self.config.max_seqs} sequences)")
                 state = _SeqState(self.free_slots.pop(), _signed64(upd.sampling.seed))
                 self.seqs[upd.seq_id] = state
@@ -148,7 +140,7 @@ class DrafterEngine:
         elif state is None or upd.start != state.next_start:
             expected = None if state is None else state.next_start
             what = "unknown sequence" if state is None else f"expected start {expected}"
-            return None, SeqFailure(upd.seq_id, FAILED_PRECONDITION,
+            return None, SeqFailure(upd.seq_id, ErrorCode.FAILED_PRECONDITION,
                                     f"cannot continue sequence {upd.seq_id} at start "
                                     f"{upd.start}: {what}", expected)
         hidden = upd.hidden.to(self.dtype)
@@ -177,11 +169,12 @@ class DrafterEngine:
         state.hist_hidden = window.hidden[-keep:].clone()
         state.hist_tokens = window.tokens[-keep:].clone()
 
-    def _result(self, upd: SeqUpdate, out: DraftOutput, row: int) -> Drafts:
+    def _result(self, upd: SeqUpdate, out: DraftOutput, row: int) -> DraftResult:
+        position = upd.start + len(upd.tokens)  # N', the bonus the drafts follow
         if upd.sampling.greedy:
-            return Drafts(upd.seq_id, out.tokens[row].cpu())
-        return Drafts(upd.seq_id, out.tokens[row].cpu(), out.support[row].cpu(),
-                      out.probs[row].float().cpu())
+            return DraftResult(upd.seq_id, position, out.tokens[row].cpu())
+        return DraftResult(upd.seq_id, position, out.tokens[row].cpu(), out.support[row].cpu(),
+                           out.probs[row].float().cpu())
 
 
 def _signed64(seed: int | None) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from chainspec.engine.draft_types import Drafts
+from chainspec.engine.draft_types import DraftResult
 
 
 class FinishReason(enum.StrEnum):
@@ -71,7 +71,7 @@ class Request:
         self.stop = stop
         self.slot = -1
         self.num_computed = 0  # positions < num_computed have target KV
-        self.drafts: Drafts | None = None  # proposals for the next verify
+        self.drafts: DraftResult | None = None  # proposals for the next verify
         self.drafter_synced = False  # the drafter holds this sequence's state
         self.finish_reason: FinishReason | None = None
         self.stop_string: str | None = None

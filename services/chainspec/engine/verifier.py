@@ -14,9 +14,9 @@ import torch
 
 from chainspec.engine.draft_client import DraftClient
 from chainspec.engine.draft_types import (
-    FAILED_PRECONDITION,
-    Drafts,
+    DraftResult,
     DraftSampling,
+    ErrorCode,
     SeqFailure,
     SeqUpdate,
 )
@@ -37,6 +37,7 @@ class VerifierConfig:
     max_batch_tokens: int = 1024
     prefill_chunk: int = 512
     sampled_drafts: bool = True  # sampled requests get top-k sampled drafts, else greedy
+    draft_top_k: int = 8  # support size asked of sampled drafts
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -139,12 +140,14 @@ class VerifierEngine:
             req = by_seq.get(seq_id)
             if req is None or req.finished:
                 continue
-            if isinstance(outcome, Drafts):
+            if isinstance(outcome, DraftResult):
+                if outcome.position != req.num_computed:
+                    continue  # stale: proposed for a round that is over
                 req.drafts = outcome
                 req.drafter_synced = True
             elif isinstance(outcome, SeqFailure):
                 req.drafts, req.drafter_synced = None, False
-                if outcome.code == FAILED_PRECONDITION:
+                if outcome.code == ErrorCode.FAILED_PRECONDITION:
                     resync.append(self._resync_update(req))
         if resync:
             self.drafter.submit(resync)
@@ -258,4 +261,6 @@ class VerifierEngine:
 
     def _draft_sampling(self, req: Request) -> DraftSampling:
         s = req.sampling
-        return DraftSampling(s.temperature if self.config.sampled_drafts else 0.0, s.seed)
+        if s.greedy or not self.config.sampled_drafts:
+            return DraftSampling(0.0, 0, s.seed)
+        return DraftSampling(s.temperature, self.config.draft_top_k, s.seed)

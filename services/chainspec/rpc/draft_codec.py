@@ -1,4 +1,4 @@
-"""Draft stream messages to and from the dataclasses of `messages`.
+"""Draft stream messages to and from the dataclasses of `engine.draft_types`.
 
 The verifier encodes `DraftBatch` and decodes `DraftReply`; the drafter does the reverse.
 Both decoders validate per sequence: a bad entry becomes a `SeqFailure` for that
@@ -14,6 +14,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from chainspec.engine.draft_types import (
+    DraftBatch,
+    DraftReply,
+    DraftResult,
+    DraftSampling,
+    ErrorCode,
+    SeqFailure,
+    SeqOutcome,
+    SeqUpdate,
+)
 from chainspec.rpc.codec import (
     WireDType,
     WireError,
@@ -26,16 +36,6 @@ from chainspec.rpc.codec import (
     to_tensors,
 )
 from chainspec.rpc.generated.v1 import drafter_pb2 as pb
-from chainspec.rpc.messages import (
-    DraftBatch,
-    DraftReply,
-    DraftResult,
-    DraftSampling,
-    ErrorCode,
-    SeqFailure,
-    SeqOutcome,
-    SeqUpdate,
-)
 
 # Tolerance on the row sums of a sampled draft distribution.
 PROB_SUM_TOL = 1e-3
