@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv clean train-demo
+.PHONY: demo test lint venv clean train-demo protos
 
 venv: $(STAMP)
 
@@ -22,6 +22,9 @@ test: $(STAMP) lint
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check services tests benchmarks
+
+protos: $(STAMP)
+	$(PY) -m chainspec.rpc.build_protos
 
 train-demo: $(STAMP)
 	$(VENV)/bin/chainspec train-demo --out services/chainspec/assets/demo

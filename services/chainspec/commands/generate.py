@@ -4,14 +4,32 @@ from __future__ import annotations
 
 import argparse
 
-from chainspec.engine.local import LocalOptions, build_verifier, load_models
+from chainspec.commands.model_args import add_model_args, local_options
+from chainspec.engine.local import build_verifier, load_models
 from chainspec.engine.request import StopConditions
 from chainspec.engine.runner import merged_stats, run_to_completion
 from chainspec.engine.sampling import SamplingParams
 from chainspec.models.tokenizer import Tokenizer
 
 
-def generate(args: argparse.Namespace, local: LocalOptions) -> int:
+def add_parser(sub) -> list[str]:
+    p = sub.add_parser("generate", help="generate in one process (speculative by default)")
+    add_model_args(p)
+    p.add_argument("--prompt", action="append", required=True,
+                   help="prompt text (repeat for a batch)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--no-spec", dest="spec", action="store_false",
+                   help="plain decoding, no drafter")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    return ["generate"]
+
+
+def run(args: argparse.Namespace) -> int:
+    local = local_options(args)
     tok = Tokenizer.from_dir(local.model_dir)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     stop = StopConditions(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)

@@ -1,0 +1,27 @@
+"""`chainspec bench`: speculative vs plain on the same prompts, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from chainspec.bench import BenchOptions, format_report, run_bench
+from chainspec.commands.model_args import add_model_args, local_options
+
+
+def add_parser(sub) -> list[str]:
+    p = sub.add_parser("bench", help="speculative vs plain on the same prompts, one run")
+    add_model_args(p)
+    p.add_argument("--prompts", type=int, default=20, help="number of prompts")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return ["bench"]
+
+
+def run(args: argparse.Namespace) -> int:
+    report = run_bench(local_options(args), BenchOptions(args.prompts, args.batch_size,
+                                                         args.max_tokens, args.repeats))
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0

@@ -1,0 +1,26 @@
+"""Arguments shared by commands that load a model in this process."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from chainspec.engine.local import DEMO_MODEL, DTYPES, LocalOptions
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=DEMO_MODEL,
+                   help="Hugging Face model directory (default: the bundled demo model)")
+    p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=3,
+                   help="draft tokens per round (K)")
+    p.add_argument("--no-chain", dest="chain", action="store_false",
+                   help="every MTP step reads the target hidden state (non-chain mode)")
+    p.add_argument("--max-seqs", type=int, default=8, help="sequence slots")
+    p.add_argument("--max-len", type=int, default=1024, help="context length per slot")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default="cpu")
+
+
+def local_options(args: argparse.Namespace) -> LocalOptions:
+    return LocalOptions(args.model, args.k, args.chain, args.max_seqs, args.max_len,
+                        args.dtype, args.device)
