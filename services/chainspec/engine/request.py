@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from chainspec.engine.draft_types import DraftResult
 
 
@@ -77,8 +75,6 @@ class Request:
         self.stop_string: str | None = None
         self.error: str | None = None
         self.stats = RequestStats(num_steps)
-        seed = sampling.seed if sampling.seed is not None else torch.seed() % (2 ** 63)
-        self.generator = torch.Generator().manual_seed(seed)
 
     @property
     def prefilling(self) -> bool:
