@@ -1,0 +1,190 @@
+"""`AsyncVerifier`: a `VerifierEngine` driven by one background thread, for asyncio hosts.
+
+Threading model: the engine is not thread-safe, so every engine call (add, abort, step,
+and anything passed to `call`) runs on the engine thread, fed by a command queue. The
+thread steps while the engine has work and sleeps on the queue when idle (no busy spin);
+a new command wakes it. Outputs of a step go back to the event loop in one
+`loop.call_soon_threadsafe` per loop and land in per-request asyncio queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from chainspec.engine.request import RequestOutput, StopConditions
+from chainspec.engine.sampling import SamplingParams
+from chainspec.engine.verifier import VerifierEngine
+
+
+class QueueFull(Exception):
+    """Every slot is taken and the waiting queue is at its bound (RESOURCE_EXHAUSTED)."""
+
+
+class EngineStopped(Exception):
+    """The engine shut down (or failed) before the request finished (UNAVAILABLE)."""
+
+
+class RequestIdInUse(ValueError):
+    """A request with this id is still running (ALREADY_EXISTS)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # RequestOutput | EngineStopped
+
+
+class AsyncVerifier:
+    def __init__(self, engine: VerifierEngine, max_waiting: int = 64,
+                 name: str = "verifier-engine") -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.capacity = engine.config.max_seqs + max_waiting  # running + waiting
+        self._streams: dict[str, _Stream] = {}
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._running = 0  # engine.num_running as of the last step (engine thread writes)
+        self._stopped: str | None = None  # why, once stopped
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # -- event-loop side ------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return min(self._running, len(self._streams))
+
+    @property
+    def waiting(self) -> int:
+        return len(self._streams) - self.running
+
+    @property
+    def alive(self) -> bool:
+        return self._stopped is None
+
+    async def generate(self, request_id: str | None, prompt_ids: Sequence[int],
+                       sampling: SamplingParams, stop: StopConditions
+                       ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as the engine commits them; the last one is finished.
+
+        Raises ValueError (bad input), RequestIdInUse, QueueFull or EngineStopped. Leaving
+        the iteration early (client gone, cancellation) aborts the request in the engine.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        stream = self._open(request_id)
+        try:
+            await self.call(lambda: self.engine.add_request(request_id, prompt_ids,
+                                                            sampling, stop))
+        except BaseException as e:
+            self._streams.pop(request_id, None)
+            if not isinstance(e, ValueError) and self.alive:  # cancelled while queued
+                self._submit(lambda: self.engine.abort(request_id))
+            raise
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, EngineStopped):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self.alive:
+                self._submit(lambda: self.engine.abort(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request; its stream ends with an ABORT output. False if unknown."""
+        if request_id not in self._streams or not self.alive:
+            return False
+        return await self.call(lambda: self.engine.abort(request_id))
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the engine thread between steps; returns its result."""
+        done: Future = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as e:  # handed to the caller
+                done.set_exception(e)
+        self._submit(run)
+        return await asyncio.wrap_future(done)
+
+    def shutdown(self, reason: str = "the verifier shut down") -> None:
+        """Stop the engine thread; in-flight requests fail with EngineStopped(reason)."""
+        if self._stopped is None:
+            self._stopped = reason
+            self._commands.put(None)
+        self._thread.join(timeout=30)
+        self._fail_all(reason)
+
+    def _open(self, request_id: str) -> _Stream:
+        if not self.alive:
+            raise EngineStopped(self._stopped)
+        if request_id in self._streams:
+            raise RequestIdInUse(f"request id {request_id!r} is already in use")
+        if len(self._streams) >= self.capacity:
+            raise QueueFull(f"verifier is full: {self.engine.config.max_seqs} running and "
+                            f"{self.max_waiting} waiting requests")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        return stream
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        if not self.alive:
+            raise EngineStopped(self._stopped)
+        self._commands.put(command)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """On the event loop: hand each output to its request's stream."""
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(out)
+
+    def _fail_all(self, reason: str) -> None:
+        for stream in list(self._streams.values()):
+            if not stream.loop.is_closed():
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineStopped(reason))
+
+    # -- engine thread --------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while self._run_commands(block=not self.engine.has_work):
+                if self.engine.has_work:
+                    self._publish(self.engine.step())
+                self._running = self.engine.num_running
+        except Exception as e:  # an engine bug: fail loudly, never hang the clients
+            self._stopped = f"verifier engine failed: {type(e).__name__}: {e}"
+            self._fail_all(self._stopped)
+            raise
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run queued commands (waiting for one when `block`); False once told to stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while command is not None:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+        return False
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append(out)
+        for loop, outs in by_loop.items():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._deliver, outs)

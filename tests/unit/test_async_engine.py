@@ -1,0 +1,131 @@
+"""AsyncVerifier: same tokens as the synchronous engine, concurrency, abort on cancel,
+bounded queue, shutdown fails in-flight requests, idle thread sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from chainspec.engine.async_engine import AsyncVerifier, EngineStopped, QueueFull, RequestIdInUse
+from chainspec.engine.request import FinishReason, StopConditions
+from chainspec.engine.sampling import SamplingParams
+from tests.unit.engine_fixtures import engine, outputs, prompts, tied_pair
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tied_pair()
+
+
+async def collect(av: AsyncVerifier, rid: str | None, prompt, max_tokens: int = 20):
+    tokens, last = [], None
+    async for out in av.generate(rid, prompt, GREEDY, StopConditions(max_tokens=max_tokens)):
+        tokens.extend(out.new_tokens)
+        last = out
+    return tokens, last
+
+
+def test_concurrent_requests_match_sync_engine(pair) -> None:
+    target, draft = pair
+    ps = prompts(8)
+    expected = outputs(engine(target), ps)[0]
+
+    async def main():
+        av = AsyncVerifier(engine(target, draft, max_seqs=4))
+        try:
+            return await asyncio.gather(*(collect(av, f"r{i}", p) for i, p in enumerate(ps)))
+        finally:
+            av.shutdown()
+    results = asyncio.run(main())
+    assert [t for t, _ in results] == expected
+    assert all(last.finish_reason is FinishReason.LENGTH and last.stats.rounds > 0
+               for _, last in results)
+
+
+def test_cancel_aborts_in_engine_and_frees_the_slot(pair) -> None:
+    target, draft = pair
+
+    async def main():
+        eng = engine(target, draft, max_seqs=1)
+        av = AsyncVerifier(eng)
+        gen = av.generate("long", prompts(1)[0], GREEDY, StopConditions(max_tokens=200))
+        await gen.__anext__()
+        await gen.aclose()  # the client went away
+        for _ in range(100):
+            if not await av.call(lambda: eng.has_work):
+                break
+            await asyncio.sleep(0.01)
+        freed = await av.call(lambda: (len(eng.free_slots), eng.drafter.engine.load))
+        tokens, _ = await collect(av, "next", prompts(1)[0], 5)  # the slot serves again
+        av.shutdown()
+        return freed, tokens
+    freed, tokens = asyncio.run(main())
+    assert freed == (1, 0)  # slot back, drafter state released
+    assert len(tokens) == 5
+
+
+def test_abort_ends_stream_with_abort(pair) -> None:
+    target, _ = pair
+
+    async def main():
+        av = AsyncVerifier(engine(target, max_seqs=1))
+        task = asyncio.create_task(collect(av, "a", prompts(1)[0], 200))
+        await asyncio.sleep(0.05)
+        found = await av.abort("a")
+        _, last = await task
+        missing = await av.abort("nope")
+        av.shutdown()
+        return found, last, missing
+    found, last, missing = asyncio.run(main())
+    assert found and not missing
+    assert last.finish_reason is FinishReason.ABORT
+
+
+def test_queue_full_duplicate_id_and_bad_input(pair) -> None:
+    target, _ = pair
+
+    async def main():
+        av = AsyncVerifier(engine(target, max_seqs=1), max_waiting=1)
+        with pytest.raises(ValueError, match="token ids must be in"):
+            await av.generate("bad", [10_000], GREEDY, StopConditions()).__anext__()
+        gens = [av.generate(f"q{i}", [1, 2], GREEDY, StopConditions(max_tokens=100))
+                for i in range(3)]
+        await gens[0].__anext__()
+        first = asyncio.create_task(gens[1].__anext__())  # waits for the slot
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFull, match="1 running and 1 waiting"):
+            await gens[2].__anext__()
+        with pytest.raises(RequestIdInUse):
+            await av.generate("q0", [1], GREEDY, StopConditions()).__anext__()
+        first.cancel()
+        av.shutdown()
+    asyncio.run(main())
+
+
+def test_shutdown_fails_in_flight_requests(pair) -> None:
+    target, _ = pair
+
+    async def main():
+        av = AsyncVerifier(engine(target, max_seqs=2))
+        task = asyncio.create_task(collect(av, "x", prompts(1)[0], 200))
+        await asyncio.sleep(0.05)
+        av.shutdown("verifier is going away")
+        with pytest.raises(EngineStopped, match="going away"):
+            await task
+        with pytest.raises(EngineStopped):
+            await collect(av, "y", [1])
+    asyncio.run(main())
+
+
+def test_idle_thread_sleeps(pair) -> None:
+    target, _ = pair
+    av = AsyncVerifier(engine(target))
+    t0 = time.process_time()  # all threads of this process
+    time.sleep(0.3)
+    used = time.process_time() - t0
+    av.shutdown()
+    assert used < 0.05, f"idle engine thread used {used:.3f} s CPU in 0.3 s"
