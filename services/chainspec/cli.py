@@ -8,7 +8,7 @@ import importlib
 import sys
 
 # Module names under chainspec.commands, in help order.
-COMMANDS = ("generate", "bench", "train_demo")
+COMMANDS = ("generate", "bench", "train_demo", "drafter")
 
 
 def _modules() -> dict[str, object]:

@@ -1,0 +1,186 @@
+"""The Drafter gRPC service over a `DrafterEngine` (DESIGN 4.1, 4.3).
+
+Threading: the engine is not thread-safe, so every touch of it (decode, releases,
+`update`, encode, and a stream's cleanup) runs as one job on a single worker thread;
+the event loop only moves messages. A stream's requests are answered one at a time, in
+order, exactly once each.
+
+Sequence ids are scoped per stream: each stream maps the verifier's `seq_id`s to
+engine-unique ids, and everything the stream holds is released when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import grpc
+import torch
+
+from chainspec.engine.draft_types import (
+    DraftReply,
+    ErrorCode,
+    SeqFailure,
+    SeqOutcome,
+    SeqUpdate,
+)
+from chainspec.engine.drafter import DrafterEngine
+from chainspec.engine.fingerprint import model_fingerprint
+from chainspec.rpc.draft_codec import (
+    DraftLimits,
+    decode_draft_request,
+    encode_draft_response,
+)
+from chainspec.rpc.generated.v1 import drafter_pb2 as pb
+from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
+from chainspec.rpc.server import RunningServer, ServerOptions, start_server
+
+DRAFTER_SERVICE = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
+WARMUP_SEQ = -1  # engine ids from streams are >= 0
+
+
+def chainspec_version() -> str:
+    try:
+        return importlib.metadata.version("chainspec")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class DrafterServicer(pb_grpc.DrafterServicer):
+    """Draft (bidi stream) and Info over one engine; see the module docstring."""
+
+    def __init__(self, engine: DrafterEngine, model_name: str,
+                 max_message_bytes: int = 64 * 2 ** 20, fingerprint: str | None = None) -> None:
+        self.engine, self.model_name = engine, model_name
+        self.max_message_bytes = max_message_bytes
+        self.fingerprint = fingerprint
+        c = engine.config
+        self.limits = DraftLimits(engine.hidden_size, engine.vocab_size, c.num_steps,
+                                  max_rows=c.max_len, max_top_k=c.top_k)
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="drafter-engine")
+        self.draining = False
+        self._ids = itertools.count()  # engine ids; touched on the worker thread only
+
+    def register(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_DrafterServicer_to_server(self, server)
+
+    # -- rpc methods ------------------------------------------------------------------
+    async def Draft(self, request_iterator, context):
+        stream: dict[int, int] = {}  # the verifier's seq_id -> engine id
+        loop = asyncio.get_running_loop()
+        try:
+            async for request in request_iterator:
+                yield await loop.run_in_executor(self.worker, self.answer, stream, request)
+        finally:
+            # NOTE: queued behind any job still running for this stream (one FIFO thread)
+            self.worker.submit(self._release_stream, stream)
+
+    async def Info(self, request, context) -> pb.DrafterInfo:
+        e, c = self.engine, self.engine.config
+        return pb.DrafterInfo(
+            model_name=self.model_name, weights_fingerprint=self.fingerprint or "",
+            num_draft_tokens=c.num_steps, num_mtp_modules=e.model.num_modules,
+            hidden_size=e.hidden_size, vocab_size=e.vocab_size,
+            dtype=str(e.dtype).removeprefix("torch."), chain=c.chain, capacity=c.max_seqs,
+            load=e.load, version=chainspec_version(), max_top_k=c.top_k,
+            max_message_bytes=self.max_message_bytes)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def warm_up(self) -> None:
+        """One throwaway round on a scratch sequence (and the fingerprint), off the loop."""
+        await asyncio.get_running_loop().run_in_executor(self.worker, self._warm_up)
+
+    def _warm_up(self) -> None:
+        if self.fingerprint is None:
+            self.fingerprint = model_fingerprint(self.engine.model)
+        k = self.engine.config.num_steps
+        hidden = torch.zeros(k, self.engine.hidden_size)  # [K, H]
+        try:
+            out = self.engine.update([SeqUpdate(WARMUP_SEQ, 0, (0,) * k, hidden)])
+            if isinstance(out[0], SeqFailure):
+                raise RuntimeError(f"drafter warm-up failed: {out[0].message}")
+        finally:
+            self.engine.release([WARMUP_SEQ])
+
+    def begin_drain(self) -> None:
+        """From now on every update is answered UNAVAILABLE (the verifier moves it)."""
+        self.draining = True
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=False)
+
+    # -- one request, on the worker thread -------------------------------------------
+    def answer(self, stream: dict[int, int], request: pb.DraftRequest) -> pb.DraftResponse:
+        batch, failures = decode_draft_request(request, self.limits)
+        self._release(stream, batch.releases)
+        if self.draining:
+            results = self._refuse(stream, batch.updates)
+        else:
+            results = self._draft(stream, batch.updates)
+        return encode_draft_response(DraftReply(batch.batch_id, (*failures, *results)))
+
+    def _draft(self, stream: dict[int, int], updates: Sequence[SeqUpdate]) -> list[SeqOutcome]:
+        fresh: set[int] = set()  # verifier ids given an engine id by this request
+        scoped = []
+        for u in updates:
+            eid = stream.get(u.seq_id)
+            if eid is None:
+                eid = next(self._ids)
+                if u.start == 0:
+                    stream[u.seq_id] = eid
+                    fresh.add(u.seq_id)
+            scoped.append(replace(u, seq_id=eid))
+        t0 = time.perf_counter()
+        outcomes = self.engine.update(scoped)
+        elapsed = time.perf_counter() - t0
+        results = []
+        for u, out in zip(updates, outcomes, strict=True):
+            if isinstance(out, SeqFailure) and u.seq_id in fresh:
+                del stream[u.seq_id]  # the engine holds nothing for it
+            if isinstance(out, SeqFailure) or u.want_drafts:
+                results.append(_unscoped(out, u.seq_id, elapsed))
+        return results
+
+    def _refuse(self, stream: dict[int, int], updates: Sequence[SeqUpdate]) -> list[SeqFailure]:
+        self._release(stream, [u.seq_id for u in updates])
+        return [SeqFailure(u.seq_id, ErrorCode.UNAVAILABLE,
+                           "drafter is draining; resync on another drafter") for u in updates]
+
+    def _release(self, stream: dict[int, int], seq_ids: Iterable[int]) -> None:
+        eids = [stream.pop(s) for s in seq_ids if s in stream]
+        self.engine.release(eids)
+
+    def _release_stream(self, stream: dict[int, int]) -> None:
+        self.engine.release(list(stream.values()))
+        stream.clear()
+
+
+def _unscoped(out: SeqOutcome, seq_id: int, elapsed: float) -> SeqOutcome:
+    """The engine's outcome under the verifier's id (and the wire's conventions)."""
+    if isinstance(out, SeqFailure):
+        expected = out.expected_start
+        if out.code == ErrorCode.FAILED_PRECONDITION and expected is None:
+            expected = 0  # holds nothing for it: restart from 0
+        return replace(out, seq_id=seq_id, expected_start=expected)
+    return replace(out, seq_id=seq_id, draft_time_s=elapsed)
+
+
+async def serve_drafter(engine: DrafterEngine, opts: ServerOptions, model_name: str,
+                        fingerprint: str | None = None) -> RunningServer:
+    """Start the Drafter service, warm the engine up, then report SERVING."""
+    servicer = DrafterServicer(engine, model_name, opts.max_message_bytes, fingerprint)
+    running = await start_server(opts, servicer.register, [DRAFTER_SERVICE])
+    running.add_drain_hook(servicer.begin_drain)
+    running.add_stop_hook(servicer.close)
+    try:
+        await servicer.warm_up()
+    except BaseException:
+        await running.stop(0)
+        raise
+    await running.set_serving(True)
+    return running
