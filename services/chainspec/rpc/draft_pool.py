@@ -1,0 +1,386 @@
+"""The verifier's gRPC draft client: one long-lived Draft stream per drafter (DESIGN 4.2).
+
+`GrpcDraftClient` implements `engine.draft_client.DraftClient` with blocking methods,
+called from the verifier engine's thread; one reader thread per stream deposits answers.
+
+- Assignment is sticky and least-loaded: a sequence's first `start = 0` update picks the
+  live drafter with the fewest sequences; later updates follow it.
+- An update with `start != 0` whose drafter is gone, draining or removed is not sent: the
+  pool answers FAILED_PRECONDITION itself, the verifier resyncs with `start = 0`, and
+  that update goes to a live drafter. A drafter's UNAVAILABLE (draining) is passed on
+  the same way, so the sequence moves.
+- `collect` waits until every batch that wants drafts has answered or its round deadline
+  (`round_deadline_s` after it was sent) has passed; late answers are handed over at the
+  next collect, where the verifier drops them as stale by `position`.
+- A broken stream marks its drafter dead; its sequences lose their assignment and those
+  waiting for drafts get FAILED_PRECONDITION, so the verifier decodes plainly and resyncs.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from chainspec.engine.draft_types import (
+    DraftBatch,
+    ErrorCode,
+    SeqFailure,
+    SeqOutcome,
+    SeqUpdate,
+)
+from chainspec.rpc.channel import DEFAULT_CLIENT_OPTIONS, ClientOptions, make_channel
+from chainspec.rpc.codec import WireDType
+from chainspec.rpc.draft_codec import DraftLimits, decode_draft_response, encode_draft_request
+from chainspec.rpc.generated.v1 import drafter_pb2 as pb
+from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+DRAFTER_SERVICE = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
+_CLOSE = object()  # ends a stream's request iterator (half-close)
+
+
+@dataclass(frozen=True)
+class DrafterMatch:
+    """What a drafter must report in Info to be used (None: not checked)."""
+
+    num_draft_tokens: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    weights_fingerprint: str | None = None
+
+    def mismatch(self, info: pb.DrafterInfo) -> str | None:
+        for name in ("num_draft_tokens", "hidden_size", "vocab_size", "weights_fingerprint"):
+            want, got = getattr(self, name), getattr(info, name)
+            if want is not None and want != got:
+                return f"{name} is {got!r}, expected {want!r}"
+        return None
+
+
+@dataclass
+class DraftPoolStats:
+    """Counters for metrics (bytes are protobuf payload sizes)."""
+
+    rounds: int = 0  # collect() calls that had batches to wait for
+    wait_s_total: float = 0.0  # time collect() spent waiting for drafts
+    last_wait_s: float = 0.0
+    batches_sent: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    late_batches: int = 0  # answered after their round deadline
+    local_failures: int = 0  # updates the pool answered itself (no usable drafter)
+    stream_failures: int = 0  # drafter streams that broke
+
+
+class LinkState(enum.StrEnum):
+    LIVE = "live"  # takes new sequences
+    DRAINING = "draining"  # answered UNAVAILABLE: its sequences move, no new ones
+    RETIRED = "retired"  # removed by set_endpoints
+    DEAD = "dead"  # stream broke or never connected
+
+
+@dataclass(eq=False)
+class _Link:
+    """One drafter endpoint: its stream, the sequences assigned to it, batches in flight."""
+
+    endpoint: str
+    state: LinkState = LinkState.DEAD
+    channel: grpc.Channel | None = None
+    limits: DraftLimits | None = None
+    capacity: int = 0
+    requests: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    seqs: set[int] = field(default_factory=set)
+    pending_releases: list[int] = field(default_factory=list)
+    outstanding: dict[int, tuple[float, frozenset[int]]] = field(default_factory=dict)
+    open: bool = False  # the stream may still answer
+    half_closed: bool = False
+
+    def half_close(self) -> None:
+        if not self.half_closed:
+            self.half_closed = True
+            self.requests.put(_CLOSE)
+
+
+class GrpcDraftClient:
+    """`DraftClient` over Draft streams to a changing set of drafters."""
+
+    def __init__(self, endpoints: Sequence[str] = (), opts: ClientOptions = DEFAULT_CLIENT_OPTIONS,
+                 round_deadline_s: float = 0.05,
+                 hidden_dtype: WireDType | str = WireDType.F32,
+                 match: DrafterMatch | None = None, connect_timeout_s: float = 10.0) -> None:
+        if round_deadline_s <= 0 or connect_timeout_s <= 0:
+            raise ValueError("round_deadline_s and connect_timeout_s must be > 0")
+        self.opts, self.round_deadline_s = opts, round_deadline_s
+        self.hidden_dtype = WireDType.parse(hidden_dtype)
+        self.match = match or DrafterMatch()
+        self.connect_timeout_s = connect_timeout_s
+        self.stats = DraftPoolStats()
+        self._cond = threading.Condition()  # guards everything below
+        self._wanted: set[str] = set()
+        self._connecting: set[str] = set()
+        self._links: dict[str, _Link] = {}  # current endpoints that were tried
+        self._open: set[_Link] = set()  # links whose stream may still answer
+        self._owner: dict[int, _Link] = {}
+        self._ready: dict[int, SeqOutcome] = {}
+        self._batch_ids = itertools.count(1)
+        self._closed = False
+        if endpoints:
+            self.set_endpoints(endpoints)
+            self.wait_connected(connect_timeout_s + 1.0)
+
+    # -- membership -------------------------------------------------------------------
+    def set_endpoints(self, endpoints: Iterable[str]) -> None:
+        """The drafters to use now: retire the others at once, connect new (or dead)
+        ones in the background (see `wait_connected`). Never blocks on the network."""
+        wanted = list(dict.fromkeys(endpoints))
+        with self._cond:
+            self._wanted = set(wanted)
+            for ep in [ep for ep in self._links if ep not in self._wanted]:
+                self._retire(self._links.pop(ep))
+            todo = [ep for ep in wanted if ep not in self._connecting and
+                    (ep not in self._links or self._links[ep].state is LinkState.DEAD)]
+            self._connecting.update(todo)
+        for ep in todo:
+            threading.Thread(target=self._connect_and_add, args=(ep,), daemon=True,
+                             name=f"draft-pool-connect-{ep}").start()
+
+    def wait_connected(self, timeout: float | None = None) -> bool:
+        """Wait until no connection attempt is pending; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._connecting, timeout)
+
+    def _connect_and_add(self, endpoint: str) -> None:
+        link = self._connect(endpoint)
+        with self._cond:
+            self._connecting.discard(endpoint)
+            if self._closed or endpoint not in self._wanted:
+                self._shutdown_link(link)
+            else:
+                self._links[endpoint] = link
+                if link.open:
+                    self._open.add(link)
+            self._cond.notify_all()
+
+    def loads(self) -> dict[str, int]:
+        """Sequences assigned per usable drafter."""
+        with self._cond:
+            return {ep: len(link.seqs) for ep, link in self._links.items()
+                    if link.state in (LinkState.LIVE, LinkState.DRAINING)}
+
+    def states(self) -> dict[str, LinkState]:
+        with self._cond:
+            return {ep: link.state for ep, link in self._links.items()}
+
+    def _connect(self, endpoint: str) -> _Link:
+        """Health SERVING, Info matching, then the stream and its reader thread."""
+        link = _Link(endpoint)
+        link.channel = make_channel(endpoint, self.opts)
+        try:
+            health = health_pb2_grpc.HealthStub(link.channel).Check(
+                health_pb2.HealthCheckRequest(service=DRAFTER_SERVICE),
+                timeout=self.connect_timeout_s, wait_for_ready=True)
+            if health.status != health_pb2.HealthCheckResponse.SERVING:
+                raise ConnectionError("not SERVING")
+            stub = pb_grpc.DrafterStub(link.channel)
+            info = stub.Info(pb.DrafterInfoRequest(), timeout=self.connect_timeout_s)
+            problem = self.match.mismatch(info)
+            if problem:
+                raise ConnectionError(f"incompatible drafter: {problem}")
+        except (grpc.RpcError, ConnectionError) as e:
+            log.warning("drafter %s not used: %s", endpoint, _describe(e))
+            link.channel.close()
+            return link
+        link.limits = DraftLimits(info.hidden_size, info.vocab_size, info.num_draft_tokens,
+                                  max_top_k=info.max_top_k or None)
+        link.capacity, link.state, link.open = info.capacity, LinkState.LIVE, True
+        responses = stub.Draft(iter(link.requests.get, _CLOSE))
+        threading.Thread(target=self._read, args=(link, responses), daemon=True,
+                         name=f"draft-pool-{endpoint}").start()
+        return link
+
+    def _retire(self, link: _Link) -> None:
+        """Stop using `link`; answers in flight still count, its sequences move later."""
+        if link.state is not LinkState.DEAD:
+            link.state = LinkState.RETIRED
+        link.half_close()
+
+    # -- DraftClient --------------------------------------------------------------------
+    def submit(self, updates: Sequence[SeqUpdate]) -> None:
+        with self._cond:
+            batches: dict[_Link, list[SeqUpdate]] = {}
+            for u in updates:
+                link = self._route(u)
+                if link is not None:
+                    batches.setdefault(link, []).append(u)
+            for link, batch in batches.items():
+                self._send(link, batch)
+
+    def collect(self) -> dict[int, SeqOutcome]:
+        with self._cond:
+            self._flush_releases()
+            t0 = time.perf_counter()
+            waited = False
+            while True:
+                deadlines = [sent + self.round_deadline_s for link in self._open
+                             for sent, wanted in link.outstanding.values() if wanted]
+                remaining = max(deadlines, default=t0) - time.perf_counter()
+                if remaining <= 0:
+                    break
+                waited = True
+                self._cond.wait(remaining)
+            if waited:
+                wait_s = time.perf_counter() - t0
+                self.stats.rounds += 1
+                self.stats.wait_s_total += wait_s
+                self.stats.last_wait_s = wait_s
+            ready, self._ready = self._ready, {}
+            return ready
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        with self._cond:
+            for seq_id in seq_ids:
+                self._ready.pop(seq_id, None)
+                link = self._owner.pop(seq_id, None)
+                if link is not None:
+                    self._unassign(link, seq_id, tell_drafter=True)
+            self._flush_releases()  # NOTE: now, not next step: an idle verifier sends none
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            links = [*self._links.values(), *self._open]
+            self._links.clear()
+        for link in set(links):
+            self._shutdown_link(link)
+
+    # -- routing and sending (lock held) ----------------------------------------------
+    def _route(self, u: SeqUpdate) -> _Link | None:
+        owner = self._owner.get(u.seq_id)
+        if owner is not None and owner.state is LinkState.LIVE:
+            return owner
+        if owner is not None:
+            del self._owner[u.seq_id]
+            self._unassign(owner, u.seq_id, tell_drafter=True)
+        if u.start != 0:
+            where = "none" if owner is None else f"{owner.endpoint} is {owner.state}"
+            return self._local(u, ErrorCode.FAILED_PRECONDITION,
+                               f"sequence {u.seq_id} has no drafter ({where}); resync")
+        live = [link for link in self._links.values()
+                if link.state is LinkState.LIVE and len(link.seqs) < link.capacity]
+        if not live:
+            return self._local(u, ErrorCode.UNAVAILABLE, "no drafter available")
+        link = min(live, key=lambda link: len(link.seqs))
+        self._owner[u.seq_id] = link
+        link.seqs.add(u.seq_id)
+        return link
+
+    def _local(self, u: SeqUpdate, code: ErrorCode, message: str) -> None:
+        expected = 0 if code is ErrorCode.FAILED_PRECONDITION else None
+        self._ready[u.seq_id] = SeqFailure(u.seq_id, code, message, expected)
+        self.stats.local_failures += 1
+        return None
+
+    def _unassign(self, link: _Link, seq_id: int, tell_drafter: bool) -> None:
+        link.seqs.discard(seq_id)
+        if tell_drafter and link.open and not link.half_closed:
+            link.pending_releases.append(seq_id)
+        if link.state is LinkState.DRAINING and not link.seqs and not link.outstanding:
+            link.half_close()  # lets the drafter finish its drain early
+
+    def _send(self, link: _Link, updates: Sequence[SeqUpdate]) -> None:
+        batch_id = next(self._batch_ids)
+        releases, link.pending_releases = tuple(link.pending_releases), []
+        msg = encode_draft_request(DraftBatch(batch_id, tuple(updates), releases),
+                                   self.hidden_dtype)
+        wanted = frozenset(u.seq_id for u in updates if u.want_drafts)
+        link.outstanding[batch_id] = (time.perf_counter(), wanted)
+        self.stats.batches_sent += 1
+        self.stats.bytes_sent += msg.ByteSize()
+        link.requests.put(msg)
+
+    def _flush_releases(self) -> None:
+        for link in self._open:
+            if link.pending_releases and not link.half_closed:
+                self._send(link, ())
+
+    # -- answers (reader threads) -----------------------------------------------------
+    def _read(self, link: _Link, responses) -> None:
+        error: grpc.RpcError | None = None
+        try:
+            for msg in responses:
+                size = msg.ByteSize()
+                reply = decode_draft_response(msg, link.limits)
+                with self._cond:
+                    self.stats.bytes_received += size
+                    self._on_reply(link, reply.batch_id, reply.results)
+                    self._cond.notify_all()
+        except grpc.RpcError as e:
+            error = e
+        with self._cond:
+            self._on_stream_end(link, error)
+            self._cond.notify_all()
+        link.channel.close()
+
+    def _on_reply(self, link: _Link, batch_id: int, results: Sequence[SeqOutcome]) -> None:
+        sent = link.outstanding.pop(batch_id, None)
+        if sent is not None and time.perf_counter() > sent[0] + self.round_deadline_s:
+            self.stats.late_batches += 1
+        for out in results:
+            if self._owner.get(out.seq_id) is not link:
+                continue  # released or moved since
+            if isinstance(out, SeqFailure) and out.code is ErrorCode.UNAVAILABLE:
+                if link.state is LinkState.LIVE:
+                    link.state = LinkState.DRAINING
+                del self._owner[out.seq_id]
+                self._unassign(link, out.seq_id, tell_drafter=False)  # it dropped the seq
+                out = SeqFailure(out.seq_id, ErrorCode.FAILED_PRECONDITION,
+                                 f"drafter {link.endpoint} is draining ({out.message}); "
+                                 f"resync elsewhere", 0)
+            elif isinstance(out, SeqFailure) and out.code is ErrorCode.RESOURCE_EXHAUSTED:
+                del self._owner[out.seq_id]
+                self._unassign(link, out.seq_id, tell_drafter=True)
+            self._ready[out.seq_id] = out
+        if link.state is LinkState.DRAINING and not link.seqs and not link.outstanding:
+            link.half_close()
+
+    def _on_stream_end(self, link: _Link, error: grpc.RpcError | None) -> None:
+        link.open = False
+        self._open.discard(link)
+        broken = not link.half_closed or error is not None
+        if broken and not self._closed:
+            self.stats.stream_failures += 1
+            log.warning("drafter %s stream ended: %s", link.endpoint, _describe(error))
+        if broken:
+            link.state = LinkState.DEAD
+        link.half_close()  # unblocks grpc's request-consumer thread
+        waiting = set().union(*(wanted for _, wanted in link.outstanding.values()))
+        for seq_id in link.seqs:
+            del self._owner[seq_id]
+            if seq_id in waiting:
+                self._ready[seq_id] = SeqFailure(
+                    seq_id, ErrorCode.FAILED_PRECONDITION,
+                    f"drafter {link.endpoint} lost: {_describe(error)}; resync elsewhere", 0)
+        link.seqs.clear()
+        link.outstanding.clear()
+        link.pending_releases.clear()
+
+    def _shutdown_link(self, link: _Link) -> None:
+        link.half_close()
+        if link.channel is not None:
+            link.channel.close()
+
+
+def _describe(error: BaseException | None) -> str:
+    if error is None:
+        return "stream ended"
+    if isinstance(error, grpc.RpcError) and hasattr(error, "code"):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)
