@@ -1,0 +1,124 @@
+"""`Verifier.Generate` messages to and from engine values, with strict validation.
+
+Every bad field is a `WireError(INVALID_ARGUMENT)` whose message starts with the field's
+path in `GenerateRequest` (`prompt.tokens.ids[3]`, `sampling.top_p`, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from chainspec.engine.request import FinishReason, RequestOutput, RequestStats, StopConditions
+from chainspec.engine.sampling import SamplingParams
+from chainspec.rpc.codec import check_tokens, invalid
+from chainspec.rpc.generated.v1 import verifier_pb2 as pb
+
+
+@dataclass(frozen=True)
+class GenerateLimits:
+    """What the server can take: vocab, context, and the default output length."""
+
+    vocab_size: int
+    max_len: int  # slot length of the verifier's KV cache
+    num_steps: int  # K: a verify window needs K + 1 positions past the last token
+    default_max_tokens: int = 256
+
+    @property
+    def context(self) -> int:
+        """Longest prompt + output a request may have."""
+        return self.max_len - 1 - self.num_steps
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    stop: StopConditions
+
+
+def parse_generate(req: pb.GenerateRequest, limits: GenerateLimits,
+                   encode: Callable[[str], list[int]] | None) -> GenerateArgs:
+    prompt = _prompt(req, limits, encode)
+    return GenerateArgs(req.request_id, prompt, _sampling(req),
+                        _stop(req, limits, len(prompt)))
+
+
+def _prompt(req: pb.GenerateRequest, limits: GenerateLimits,
+            encode: Callable[[str], list[int]] | None) -> list[int]:
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise invalid("prompt: one of prompt.text or prompt.tokens is required")
+    if kind == "text":
+        if encode is None:
+            raise invalid("prompt.text: this server has no tokenizer; send prompt.tokens")
+        ids = encode(req.text)
+        if not ids:
+            raise invalid("prompt.text: the prompt is empty")
+    else:
+        ids = check_tokens(req.tokens.ids, limits.vocab_size, name="prompt.tokens.ids",
+                           min_count=1)
+    if len(ids) >= limits.context:
+        raise invalid(f"prompt.{kind}: {len(ids)} prompt tokens do not fit the context of "
+                      f"{limits.context} tokens (at least one must be left to generate)")
+    return ids
+
+
+def _sampling(req: pb.GenerateRequest) -> SamplingParams:
+    if not req.HasField("sampling"):
+        return SamplingParams(temperature=0.0)
+    s = req.sampling
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+        raise invalid(f"sampling.temperature: must be a finite number >= 0, got {s.temperature}")
+    if not (math.isfinite(s.top_p) and 0 <= s.top_p <= 1):
+        raise invalid(f"sampling.top_p: must be in [0, 1] (0 or 1: off), got {s.top_p}")
+    return SamplingParams(temperature=s.temperature, top_k=s.top_k,
+                          top_p=s.top_p if s.top_p > 0 else 1.0,
+                          seed=s.seed if s.HasField("seed") else None)
+
+
+def _stop(req: pb.GenerateRequest, limits: GenerateLimits, prompt_len: int) -> StopConditions:
+    s = req.stop
+    for i, text in enumerate(s.stop):
+        if not text:
+            raise invalid(f"stop.stop[{i}]: stop strings must be non-empty")
+    check_tokens(s.stop_token_ids, limits.vocab_size, name="stop.stop_token_ids")
+    # NOTE: max_tokens 0 means the server's default (proto3 cannot tell unset from 0);
+    # any request is clamped to the context left after its prompt (finish: LENGTH).
+    wanted = s.max_tokens or limits.default_max_tokens
+    return StopConditions(max_tokens=min(wanted, limits.context - prompt_len),
+                          stop_token_ids=tuple(s.stop_token_ids), stop_strings=tuple(s.stop),
+                          ignore_eos=s.ignore_eos)
+
+
+# ------------------------------------------------------------------------- responses
+
+_REASONS = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.STOP: pb.FINISH_REASON_STOP,
+            FinishReason.EOS: pb.FINISH_REASON_EOS, FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+            FinishReason.ERROR: pb.FINISH_REASON_ERROR}
+
+
+def chunk_message(request_id: str, tokens: tuple[int, ...], text: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id=request_id,
+                               chunk=pb.TokenChunk(token_ids=tokens, text=text))
+
+
+def finished_message(request_id: str, out: RequestOutput, prompt_tokens: int,
+                     completion_tokens: int) -> pb.GenerateResponse:
+    finished = pb.GenerateFinished(reason=_REASONS[out.finish_reason], message=out.error or "")
+    finished.stats.CopyFrom(stats_message(out.stats, prompt_tokens, completion_tokens))
+    return pb.GenerateResponse(request_id=request_id, finished=finished)
+
+
+def stats_message(stats: RequestStats | None, prompt_tokens: int,
+                  completion_tokens: int) -> pb.RequestStats:
+    msg = pb.RequestStats(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+    if stats is not None:
+        msg.rounds = stats.rounds + stats.fallback_rounds
+        msg.draft_tokens = stats.draft_tokens
+        msg.accepted_tokens = stats.accepted_tokens
+        msg.accepted_per_position.extend(stats.accepted_per_pos)
+        msg.fallback_rounds = stats.fallback_rounds
+    return msg

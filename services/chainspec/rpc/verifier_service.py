@@ -1,0 +1,219 @@
+"""The Verifier gRPC service over an `AsyncVerifier` (DESIGN 4.2, 4.3).
+
+`Generate` parses and validates the request (generate_codec), streams the engine's
+outputs as token chunks with incremental text, and ends with one finished message.
+Status contract: bad input INVALID_ARGUMENT (the message names the field), a duplicate
+request id ALREADY_EXISTS, a full server RESOURCE_EXHAUSTED, a draining or stopped one
+UNAVAILABLE. A client that goes away aborts its request (slot freed, drafter released).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from chainspec.engine.async_engine import AsyncVerifier, EngineStopped, QueueFull, RequestIdInUse
+from chainspec.engine.detokenizer import IncrementalDetokenizer
+from chainspec.engine.fingerprint import model_fingerprint
+from chainspec.engine.local import DTYPES, LocalOptions
+from chainspec.engine.request import RequestOutput, StopConditions
+from chainspec.engine.sampling import SamplingParams
+from chainspec.engine.verifier import VerifierConfig, VerifierEngine
+from chainspec.models.loader import load_target
+from chainspec.models.target import TargetModel
+from chainspec.models.tokenizer import Tokenizer
+from chainspec.rpc.channel import ClientOptions
+from chainspec.rpc.codec import WireError
+from chainspec.rpc.draft_pool import DrafterMatch, GrpcDraftClient
+from chainspec.rpc.drafter_service import chainspec_version
+from chainspec.rpc.generate_codec import (
+    GenerateLimits,
+    chunk_message,
+    finished_message,
+    parse_generate,
+)
+from chainspec.rpc.generated.v1 import verifier_pb2 as pb
+from chainspec.rpc.generated.v1 import verifier_pb2_grpc as pb_grpc
+from chainspec.rpc.server import RunningServer, ServerOptions, start_server
+
+VERIFIER_SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+
+
+class VerifierServicer(pb_grpc.VerifierServicer):
+    def __init__(self, engine: AsyncVerifier, limits: GenerateLimits,
+                 tokenizer: Tokenizer | None, model_name: str, fingerprint: str = "",
+                 drafters: Callable[[], int] = lambda: 0) -> None:
+        self.engine, self.limits, self.tokenizer = engine, limits, tokenizer
+        self.model_name, self.fingerprint, self.drafters = model_name, fingerprint, drafters
+
+    def register(self, server: grpc.aio.Server) -> None:
+        pb_grpc.add_VerifierServicer_to_server(self, server)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        encode = self.tokenizer.encode if self.tokenizer is not None else None
+        try:
+            args = parse_generate(request, self.limits, encode)
+        except WireError as e:
+            await context.abort(e.code, e.message)
+        rid = args.request_id or uuid.uuid4().hex
+        writer = _ResponseWriter(rid, len(args.prompt), self.tokenizer, args.stop.stop_strings)
+        try:
+            async for out in self.engine.generate(rid, args.prompt, args.sampling, args.stop):
+                for message in writer.messages(out):
+                    yield message
+        except RequestIdInUse as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except EngineStopped as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{e}; retry on another verifier")
+        except ValueError as e:  # what the engine refused at admission
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt: {e}")
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        return pb.AbortResponse(found=await self.engine.abort(request.request_id))
+
+    async def Info(self, request: pb.VerifierInfoRequest, context) -> pb.VerifierInfo:
+        e = self.engine
+        return pb.VerifierInfo(
+            model_name=self.model_name, weights_fingerprint=self.fingerprint,
+            num_draft_tokens=self.limits.num_steps, capacity=e.engine.config.max_seqs,
+            running=e.running, waiting=e.waiting, drafters=self.drafters(),
+            max_model_len=self.limits.context, version=chainspec_version())
+
+
+class _ResponseWriter:
+    """Engine outputs of one request -> Generate stream messages."""
+
+    def __init__(self, request_id: str, prompt_len: int, tokenizer: Tokenizer | None,
+                 stop_strings: tuple[str, ...]) -> None:
+        self.request_id, self.prompt_len = request_id, prompt_len
+        self.detok = IncrementalDetokenizer(tokenizer.decode, stop_strings) \
+            if tokenizer is not None else None
+        self.completion_tokens = 0
+
+    def messages(self, out: RequestOutput) -> list[pb.GenerateResponse]:
+        self.completion_tokens += len(out.new_tokens)
+        if self.detok is None:
+            text = ""
+        elif out.finished:
+            text = self.detok.finish(out.new_tokens, out.stop_string)
+        else:
+            text = self.detok.add(out.new_tokens)
+        msgs = [chunk_message(self.request_id, out.new_tokens, text)] \
+            if out.new_tokens or text else []
+        if out.finished:
+            msgs.append(finished_message(self.request_id, out, self.prompt_len,
+                                         self.completion_tokens))
+        return msgs
+
+
+# ----------------------------------------------------------------------------- hosting
+
+
+@dataclass(frozen=True)
+class VerifierOptions:
+    """What a verifier loads and how it admits requests."""
+
+    model: LocalOptions = LocalOptions()
+    model_name: str = ""  # default: the model directory's name
+    max_waiting: int = 64  # queued requests beyond the running slots
+    default_max_tokens: int = 256
+    draft_deadline_s: float = 0.05  # how long a round waits for drafts
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0 or self.default_max_tokens < 1:
+            raise ValueError("max_waiting must be >= 0 and default_max_tokens >= 1")
+        if self.draft_deadline_s <= 0:
+            raise ValueError(f"draft_deadline_s must be > 0, got {self.draft_deadline_s}")
+
+    @property
+    def name(self) -> str:
+        return self.model_name or Path(self.model.model_dir).name
+
+
+class VerifierServer:
+    """A running verifier: its gRPC server, engine and drafter pool."""
+
+    def __init__(self, running: RunningServer, engine: AsyncVerifier,
+                 drafts: GrpcDraftClient) -> None:
+        self.running, self.engine, self.drafts = running, engine, drafts
+
+    @property
+    def address(self) -> str:
+        return self.running.address
+
+    @property
+    def port(self) -> int:
+        return self.running.port
+
+    @property
+    def load(self) -> int:
+        return self.engine.running + self.engine.waiting
+
+    async def set_drafters(self, endpoints: Sequence[str]) -> None:
+        """Follow drafters appearing, draining and dying (on the engine thread)."""
+        endpoints = tuple(endpoints)
+        await self.engine.call(lambda: self.drafts.set_endpoints(endpoints))
+
+    async def drain(self) -> None:
+        await self.running.drain()
+
+    async def stop(self) -> None:
+        await self.running.stop(0)
+
+
+async def serve_verifier(opts: VerifierOptions, server: ServerOptions,
+                         drafters: Sequence[str] = (),
+                         client: ClientOptions | None = None) -> VerifierServer:
+    """Load the target, build the engine over a gRPC drafter pool, start the Verifier
+    service, warm up, then report SERVING."""
+    target, tokenizer = await asyncio.to_thread(_load, opts.model)
+    m = opts.model
+    fingerprint = model_fingerprint(target)
+    match = DrafterMatch(m.num_steps, target.config.hidden_size, target.config.vocab_size,
+                         fingerprint)  # a drafter of another model is never used
+    drafts = GrpcDraftClient((), client or ClientOptions(), opts.draft_deadline_s, match=match)
+    config = VerifierConfig(num_steps=m.num_steps, max_seqs=m.max_seqs, max_len=m.max_len,
+                            max_batch_tokens=max(1024, m.max_seqs * (m.num_steps + 1)))
+    eos = tokenizer.eos_token_ids if tokenizer is not None else ()
+    engine = AsyncVerifier(VerifierEngine(target, config, drafts, eos,
+                                          tokenizer.decode if tokenizer else None),
+                           opts.max_waiting)
+    limits = GenerateLimits(target.config.vocab_size, m.max_len, m.num_steps,
+                            opts.default_max_tokens)
+    servicer = VerifierServicer(engine, limits, tokenizer, opts.name, fingerprint,
+                                lambda: len(drafts.loads()))
+    running = await start_server(server, servicer.register, [VERIFIER_SERVICE])
+    running.add_stop_hook(engine.shutdown)
+    running.add_stop_hook(drafts.close)
+    verifier = VerifierServer(running, engine, drafts)
+    try:
+        await verifier.set_drafters(drafters)
+        await asyncio.to_thread(drafts.wait_connected, drafts.connect_timeout_s + 1.0)
+        await _warm_up(engine)
+    except BaseException:
+        await running.stop(0)
+        raise
+    await running.set_serving(True)
+    return verifier
+
+
+def _load(opts: LocalOptions) -> tuple[TargetModel, Tokenizer | None]:
+    target = load_target(opts.model_dir, DTYPES[opts.dtype], opts.device, cache_len=opts.max_len)
+    has_tokenizer = (Path(opts.model_dir) / "tokenizer.json").is_file()
+    return target, Tokenizer.from_dir(opts.model_dir) if has_tokenizer else None
+
+
+async def _warm_up(engine: AsyncVerifier) -> None:
+    """One short request through every engine path (prefill, decode, draft update)."""
+    stop = StopConditions(max_tokens=2, ignore_eos=True)
+    async for _ in engine.generate(f"warm-up-{uuid.uuid4().hex}", [0],
+                                   SamplingParams(temperature=0.0), stop):
+        pass

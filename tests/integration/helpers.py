@@ -1,0 +1,84 @@
+"""Helpers for service tests: a background event loop, Generate calls, plain references."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from chainspec.engine.local import LocalOptions, build_verifier, load_models
+from chainspec.engine.request import StopConditions
+from chainspec.engine.runner import run_to_completion
+from chainspec.engine.sampling import SamplingParams
+from chainspec.models.tokenizer import Tokenizer
+from chainspec.rpc.generated.v1 import verifier_pb2 as pb
+from chainspec.rpc.generated.v1 import verifier_pb2_grpc as pb_grpc
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread; `run(coro)` from the test thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@dataclass
+class Generated:
+    tokens: list[int]
+    text: str
+    finished: pb.GenerateFinished
+
+
+def generate(stub: pb_grpc.VerifierStub, prompt: Sequence[int] | str, max_tokens: int = 24,
+             timeout: float = 60.0, **fields) -> Generated:
+    fields.setdefault("stop", pb.StopConditions(max_tokens=max_tokens, ignore_eos=True))
+    req = pb.GenerateRequest(**fields)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.tokens.ids.extend(prompt)
+    tokens, text, finished = [], "", None
+    for msg in stub.Generate(req, timeout=timeout):
+        if msg.HasField("chunk"):
+            tokens.extend(msg.chunk.token_ids)
+            text += msg.chunk.text
+        else:
+            finished = msg.finished
+    return Generated(tokens, text, finished)
+
+
+def verifier_stub(endpoint: str) -> tuple[grpc.Channel, pb_grpc.VerifierStub]:
+    channel = grpc.insecure_channel(endpoint)
+    return channel, pb_grpc.VerifierStub(channel)
+
+
+PROMPTS = ["def fibonacci(n):", "hello world", "€ 你好 🙂", "for i in range(3):",
+           "The quick brown fox", "a", "print(i * i)", "lazy dog jumps"]
+
+
+def prompt_ids(model_dir: Path, n: int = 8) -> list[list[int]]:
+    tok = Tokenizer.from_dir(model_dir)
+    return [tok.encode(p) for p in (PROMPTS * (n // len(PROMPTS) + 1))[:n]]
+
+
+def plain_outputs(model_dir: Path, prompts: Sequence[Sequence[int]], max_tokens: int = 24,
+                  num_steps: int = 3) -> list[list[int]]:
+    """Greedy tokens of an in-process verifier engine without a drafter."""
+    opts = LocalOptions(model_dir=model_dir, num_steps=num_steps, max_seqs=8, max_len=256)
+    engine = build_verifier(load_models(opts, speculative=False), opts, speculative=False)
+    result = run_to_completion(engine, prompts, SamplingParams(temperature=0.0),
+                               StopConditions(max_tokens=max_tokens, ignore_eos=True))
+    return [c.tokens for c in result.completions]
