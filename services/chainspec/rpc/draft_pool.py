@@ -358,8 +358,8 @@ class GrpcDraftClient:
         if broken and not self._closed:
             self.stats.stream_failures += 1
             log.warning("drafter %s stream ended: %s", link.endpoint, _describe(error))
-        if broken:
-            link.state = LinkState.DEAD
+        if link.state is not LinkState.RETIRED:
+            link.state = LinkState.DEAD  # drained or broken: reconnected if listed again
         link.half_close()  # unblocks grpc's request-consumer thread
         waiting = set().union(*(wanted for _, wanted in link.outstanding.values()))
         for seq_id in link.seqs:

@@ -1,0 +1,294 @@
+"""A verifier engine drafting through `GrpcDraftClient` against real drafter servers:
+lossless and exactly as fast (same drafts) as the in-process drafter, sticky
+least-loaded assignment, and a drafter killed, drained, added or removed mid-run."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from chainspec.engine.draft_client import LocalDraftClient
+from chainspec.engine.request import FinishReason, StopConditions
+from chainspec.engine.sampling import SamplingParams
+from chainspec.models.loader import load_draft_model, load_target
+from chainspec.rpc.draft_pool import DrafterMatch, GrpcDraftClient, LinkState
+from tests.integration.grpc_helpers import LoopThread, drafter_engine, start_drafter, wait_until
+from tests.integration.tiny_checkpoint import write_tiny_model
+from tests.unit.engine_fixtures import engine, outputs, prompts
+
+pytestmark = pytest.mark.timeout(120)
+K, MAX_TOKENS = 3, 24
+PATIENT = 10.0  # a round deadline no healthy loopback round misses: drafts equal local
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def models(model_dir):
+    return load_target(model_dir, cache_len=256), load_draft_model(model_dir, cache_len=256)
+
+
+@pytest.fixture(scope="module")
+def batch(models):
+    return prompts(8, vocab=models[0].config.vocab_size, seed=11)
+
+
+@pytest.fixture(scope="module")
+def plain(models, batch):
+    return outputs(engine(models[0]), batch, MAX_TOKENS)[0]
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture
+def drafters(loop, models):
+    """start(n) -> n fresh drafter servers (each with its own engine and model copy)."""
+    started = []
+
+    def start(n: int, **opts):
+        for _ in range(n):
+            eng = drafter_engine(copy.deepcopy(models[1]), k=K)
+            srv = start_drafter(loop, eng, **opts)
+            srv.engine = eng
+            started.append(srv)
+        return started[-n:]
+
+    yield start
+    for srv in started:
+        loop.run(srv.stop(0))
+
+
+def _run(target, client, ps, batch_size: int):
+    got, stats = [], []
+    eng = engine(target, client=client, k=K)
+    for i in range(0, len(ps), batch_size):
+        out, result = outputs(eng, ps[i:i + batch_size], MAX_TOKENS)
+        got += out
+        stats += [(c.stats.rounds, c.stats.accepted_tokens, c.stats.accepted_per_pos)
+                  for c in result.completions]
+    return got, stats, eng
+
+
+class Driver:
+    """Steps a verifier engine by hand, collecting tokens and finish reasons."""
+
+    def __init__(self, eng, max_tokens: int = MAX_TOKENS) -> None:
+        self.eng, self.max_tokens, self.tokens, self.finished = eng, max_tokens, {}, {}
+
+    def add(self, ps, tag: str) -> list[str]:
+        ids = [f"{tag}{i}" for i in range(len(ps))]
+        for rid, p in zip(ids, ps, strict=True):
+            self.eng.add_request(rid, p, SamplingParams(temperature=0.0),
+                                 StopConditions(max_tokens=self.max_tokens))
+            self.tokens[rid] = []
+        return ids
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            for out in self.eng.step():
+                self.tokens[out.request_id] += out.new_tokens
+                if out.finished:
+                    self.finished[out.request_id] = out.finish_reason
+
+    def step_until(self, condition, limit: int = 200) -> None:
+        for _ in range(limit):
+            if condition():
+                return
+            self.step()
+        raise AssertionError("condition not reached")
+
+    def finish(self) -> None:
+        self.step_until(lambda: not self.eng.has_work)
+        assert set(self.finished.values()) == {FinishReason.LENGTH}
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("num_drafters", [1, 2])
+def test_equals_plain_and_the_in_process_drafter(models, batch, plain, drafters,
+                                                 num_drafters, batch_size) -> None:
+    target, draft = models
+    ps = batch if batch_size > 1 else batch[:3]
+    local = LocalDraftClient(drafter_engine(copy.deepcopy(draft), k=K))
+    want, want_stats, _ = _run(target, local, ps, batch_size)
+    servers = drafters(num_drafters)
+    client = GrpcDraftClient([s.address for s in servers], round_deadline_s=PATIENT,
+                             match=DrafterMatch(K, 32, target.config.vocab_size))
+    try:
+        got, stats, _ = _run(target, client, ps, batch_size)
+    finally:
+        client.close()
+    assert got == want == plain[:len(ps)]
+    assert stats == want_stats, "the same drafts as the in-process drafter, round by round"
+    assert sum(s[1] for s in stats) > 0
+    assert client.stats.bytes_sent > 0 and client.stats.bytes_received > 0
+    assert client.stats.late_batches == client.stats.local_failures == 0
+    assert wait_until(lambda: all(s.engine.load == 0 for s in servers)), "released"
+
+
+def test_two_drafters_share_sequences(models, batch, plain, drafters) -> None:
+    a, b = drafters(2)
+    client = GrpcDraftClient([a.address, b.address], round_deadline_s=PATIENT)
+    drive = Driver(engine(models[0], client=client, k=K))
+    ids = drive.add(batch, "r")
+    drive.step_until(lambda: sum(client.loads().values()) == 8)
+    assert client.loads() == {a.address: 4, b.address: 4}
+    assert wait_until(lambda: a.engine.load == b.engine.load == 4)
+    drive.step(3)
+    assert client.loads() == {a.address: 4, b.address: 4}
+    drive.finish()
+    client.close()
+    assert [drive.tokens[i] for i in ids] == plain
+    assert drive.eng.resyncs == 0, "sticky: no update ever reached a drafter without its state"
+
+
+@pytest.mark.xfail(strict=True, reason="VerifierEngine leaves drafter_synced False after "
+                   "a resync (its drafts are stale by then), so a moved sequence never "
+                   "drafts again; fix in engine/verifier.py, then drop this mark")
+def test_moved_sequences_keep_drafting(loop, models, batch, drafters) -> None:
+    a, b = drafters(2)
+    client = GrpcDraftClient([a.address, b.address], round_deadline_s=PATIENT)
+    drive = Driver(engine(models[0], client=client, k=K), max_tokens=80)
+    ids = drive.add(batch, "r")
+    drive.step_until(lambda: sum(client.loads().values()) == 8)
+    drive.step(2)
+    loop.run(a.stop(None))  # abrupt: streams cancelled, no drain
+    drive.step(3)  # every moved sequence has resynced onto b
+    rounds = {i: drive.eng.by_id[i].stats.rounds for i in ids}
+    drive.step(6)
+    stuck = [i for i in ids if drive.eng.by_id[i].stats.rounds == rounds[i]]
+    client.close()
+    assert not stuck, f"no drafts since the move: {stuck}"
+
+
+def _spawn_drafter(model_dir) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chainspec.cli", "drafter", "--model", str(model_dir),
+         "-k", str(K), "--max-len", "256", "--max-seqs", "8", "--model-name", "tiny"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stdout.readline()
+    if not line.startswith("drafter serving "):
+        proc.kill()
+        raise AssertionError(f"drafter did not start: {line!r} {proc.stderr.read()}")
+    return proc, line.split()[-1]
+
+
+def test_drafter_killed_mid_run(models, model_dir, batch, plain, drafters) -> None:
+    """SIGKILL one drafter process: every request completes with plain's output, and the
+    lost drafter's sequences resync onto the survivor."""
+    proc, victim = _spawn_drafter(model_dir)
+    try:
+        (survivor,) = drafters(1)
+        client = GrpcDraftClient([victim, survivor.address], round_deadline_s=PATIENT)
+        drive = Driver(engine(models[0], client=client, k=K))
+        ids = drive.add(batch, "r")
+        drive.step_until(lambda: sum(client.loads().values()) == 8)
+        drive.step(2)
+        on_victim = client.loads()[victim]
+        assert on_victim == 4
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        drive.step_until(lambda: client.states()[victim] is LinkState.DEAD)
+        drive.step(2)  # the moved sequences resync
+        running = drive.eng.num_running
+        assert running > 0 and client.loads() == {survivor.address: running}
+        assert wait_until(lambda: survivor.engine.load == running)
+        drive.finish()
+        client.close()
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert [drive.tokens[i] for i in ids] == plain
+    assert drive.eng.resyncs >= 1
+    assert client.stats.stream_failures == 1
+
+
+def test_draining_drafter_hands_its_sequences_over(loop, models, batch, plain,
+                                                   drafters) -> None:
+    a, b = drafters(2, drain_grace_s=60)
+    client = GrpcDraftClient([a.address, b.address], round_deadline_s=PATIENT)
+    drive = Driver(engine(models[0], client=client, k=K))
+    ids = drive.add(batch, "r")
+    drive.step_until(lambda: sum(client.loads().values()) == 8)
+    draining = loop.submit(a.drain())
+    t0 = time.monotonic()
+    drive.step_until(lambda: draining.done())
+    assert time.monotonic() - t0 < 30, "the pool lets go at once, not after the grace"
+    assert client.loads() == {b.address: drive.eng.num_running}
+    drive.finish()
+    client.close()
+    assert [drive.tokens[i] for i in ids] == plain
+    assert drive.eng.resyncs >= 1 and client.stats.stream_failures == 0
+
+
+def test_set_endpoints_adds_and_removes_drafters(models, batch, plain, drafters) -> None:
+    a, b = drafters(2)
+    client = GrpcDraftClient([a.address], round_deadline_s=PATIENT)
+    drive = Driver(engine(models[0], client=client, k=K))
+    first = drive.add(batch[:4], "x")
+    drive.step_until(lambda: client.loads() == {a.address: 4})
+    client.set_endpoints([a.address, b.address])
+    assert client.wait_connected(10)
+    second = drive.add(batch[4:], "y")
+    drive.step_until(lambda: sum(client.loads().values()) == 8)
+    assert client.loads() == {a.address: 4, b.address: 4}, "new sequences go to the new one"
+    resyncs = drive.eng.resyncs
+    client.set_endpoints([b.address])  # a leaves: its sequences move, nothing fails
+    assert client.loads() == {b.address: 4}
+    drive.step(3)
+    assert client.loads() == {b.address: drive.eng.num_running}
+    assert drive.eng.resyncs > resyncs
+    assert wait_until(lambda: a.engine.load == 0), "a's stream closed: its state is freed"
+    drive.finish()
+    client.close()
+    assert [drive.tokens[i] for i in first + second] == plain
+    assert client.stats.stream_failures == 0
+
+
+class _SlowEngine:
+    def __init__(self, engine, delay: float) -> None:
+        self.engine, self.delay = engine, delay
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def update(self, updates):
+        time.sleep(self.delay)
+        return self.engine.update(updates)
+
+
+def test_slow_drafter_costs_speed_not_output(loop, models, batch, plain) -> None:
+    slow = _SlowEngine(drafter_engine(copy.deepcopy(models[1]), k=K), delay=0.15)
+    srv = start_drafter(loop, slow)
+    deadline = 0.02
+    client = GrpcDraftClient([srv.address], round_deadline_s=deadline)
+    try:
+        got = outputs(engine(models[0], client=client, k=K), batch[:4], MAX_TOKENS)[0]
+    finally:
+        client.close()
+        loop.run(srv.stop(0))
+    assert got == plain[:4]
+    s = client.stats
+    assert s.late_batches > 0
+    assert s.wait_s_total / s.rounds < 0.06, "collect waits out the deadline, not the drafter"
+
+
+def test_without_drafters_every_update_is_answered_locally(models, batch, plain) -> None:
+    client = GrpcDraftClient([])
+    got = outputs(engine(models[0], client=client, k=K), batch[:2], MAX_TOKENS)[0]
+    assert got == plain[:2]
+    assert client.stats.local_failures >= 2 and client.stats.batches_sent == 0
