@@ -8,7 +8,8 @@ import importlib
 import sys
 
 # Module names under chainspec.commands, in help order.
-COMMANDS = ("generate", "bench", "train_demo", "drafter")
+COMMANDS = ("generate", "bench", "train_demo", "drafter", "verifier", "up", "status", "scale",
+            "down")
 
 
 def _modules() -> dict[str, object]:

@@ -82,3 +82,42 @@ def plain_outputs(model_dir: Path, prompts: Sequence[Sequence[int]], max_tokens:
     result = run_to_completion(engine, prompts, SamplingParams(temperature=0.0),
                                StopConditions(max_tokens=max_tokens, ignore_eos=True))
     return [c.tokens for c in result.completions]
+
+
+class LoadGenerator:
+    """`workers` threads sending Generate calls round-robin over `prompts` until stopped;
+    every result is checked against `expected` (same index) as it completes."""
+
+    def __init__(self, stub: pb_grpc.VerifierStub, prompts: Sequence[Sequence[int]],
+                 expected: Sequence[Sequence[int]], max_tokens: int, workers: int = 4) -> None:
+        self.stub, self.prompts, self.expected = stub, prompts, expected
+        self.max_tokens = max_tokens
+        self.done = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._work, args=(w,), daemon=True)
+                         for w in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self, worker: int) -> None:
+        i = worker
+        while not self._stop.is_set():
+            k = i % len(self.prompts)
+            try:
+                got = generate(self.stub, self.prompts[k], self.max_tokens)
+                problem = None if got.tokens == list(self.expected[k]) else \
+                    f"prompt {k}: output differs from plain decoding"
+            except grpc.RpcError as e:
+                problem = f"prompt {k}: {e.code().name}: {e.details()}"
+            with self._lock:
+                self.done += 1
+                if problem:
+                    self.failures.append(problem)
+            i += len(self._threads)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)

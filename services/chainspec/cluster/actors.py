@@ -1,0 +1,139 @@
+"""The Ray actors that host the services (DESIGN 4.4): thin shells around
+`serve_drafter` and `serve_verifier`.
+
+Each actor is an asyncio actor: `__init__` schedules the start on the actor's event
+loop, so a Ray restart (max_restarts) brings the service back without anyone calling
+in. Once started (or failed) the actor registers with the controller; the controller's
+pings (`ping`) keep its state and load current. A verifier also long-polls the controller
+and points its drafter pool at the ready drafters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import ray
+
+from chainspec.cluster.config import CONTROLLER_NAME, StackConfig
+from chainspec.engine.drafter import DrafterConfig, DrafterEngine
+from chainspec.engine.local import DTYPES
+from chainspec.models.loader import load_draft_model
+from chainspec.rpc.channel import ClientOptions
+from chainspec.rpc.drafter_service import serve_drafter
+from chainspec.rpc.server import ServerOptions
+from chainspec.rpc.verifier_service import VerifierOptions, serve_verifier
+
+log = logging.getLogger(__name__)
+WATCH_TIMEOUT_S = 10.0
+
+
+class _ServiceActor:
+    role = ""
+
+    def __init__(self, member_id: str, config: StackConfig) -> None:
+        self.member_id, self.config = member_id, config
+        self.server: Any = None  # RunningServer | VerifierServer once started
+        self.error: str | None = None
+        self._start = asyncio.get_running_loop().create_task(self._start_and_register())
+
+    async def ping(self) -> dict[str, Any]:
+        """State for the controller: serving, endpoint, load, pid, node, error."""
+        return {"serving": self.server is not None and not self.server_draining,
+                "endpoint": self.endpoint, "load": self.load, "pid": os.getpid(),
+                "node": ray.util.get_node_ip_address(), "error": self.error}
+
+    async def drain(self) -> None:
+        """Stop taking work, let what is in flight finish (bounded), stop the server."""
+        if self.server is not None:
+            await self.server.drain()
+
+    @property
+    def endpoint(self) -> str | None:
+        if self.server is None:
+            return None
+        host = self.config.host
+        if host in ("0.0.0.0", "::", "[::]"):
+            host = ray.util.get_node_ip_address()
+        return f"{host}:{self.server.port}"
+
+    @property
+    def server_draining(self) -> bool:
+        running = getattr(self.server, "running", self.server)
+        return bool(running.draining)
+
+    @property
+    def load(self) -> int:
+        raise NotImplementedError
+
+    def server_options(self) -> ServerOptions:
+        return ServerOptions(host=self.config.host, auth_token=self.config.auth_token)
+
+    async def serve(self) -> Any:
+        raise NotImplementedError
+
+    async def _start_and_register(self) -> None:
+        try:
+            self.server = await self.serve()
+        except Exception as e:  # reported to the controller, which marks it dead
+            log.exception("%s failed to start", self.member_id)
+            self.error = f"{type(e).__name__}: {e}"
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=self.config.namespace)
+        await controller.register.remote(self.member_id, await self.ping())
+
+
+class DrafterActor(_ServiceActor):
+    role = "drafter"
+
+    @property
+    def load(self) -> int:
+        return self.engine.load if self.server is not None else 0
+
+    async def serve(self) -> Any:
+        self.engine = await asyncio.to_thread(self._build_engine)
+        return await serve_drafter(self.engine, self.server_options(),
+                                   os.path.basename(self.config.model_dir))
+
+    def _build_engine(self) -> DrafterEngine:
+        opts = self.config.local_options(self.role)
+        model = load_draft_model(opts.model_dir, DTYPES[opts.dtype], opts.device,
+                                 cache_len=opts.max_len)
+        return DrafterEngine(model, DrafterConfig(num_steps=opts.num_steps, chain=opts.chain,
+                                                  max_seqs=self.config.drafter_max_seqs,
+                                                  max_len=opts.max_len))
+
+
+class VerifierActor(_ServiceActor):
+    role = "verifier"
+
+    @property
+    def load(self) -> int:
+        return self.server.load if self.server is not None else 0
+
+    async def serve(self) -> Any:
+        c = self.config
+        opts = VerifierOptions(model=c.local_options(self.role), max_waiting=c.max_waiting,
+                               draft_deadline_s=c.draft_deadline_s)
+        server = await serve_verifier(opts, self.server_options(),
+                                      client=ClientOptions(auth_token=c.auth_token))
+        self._watch = asyncio.get_running_loop().create_task(self._follow_drafters(server))
+        return server
+
+    async def _follow_drafters(self, server) -> None:
+        """Long-poll the controller; route to the drafters that are ready."""
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=self.config.namespace)
+        version, current = -1, None
+        while True:
+            try:
+                version, members = await controller.watch.remote(version, WATCH_TIMEOUT_S,
+                                                                 self.member_id)
+            except Exception:  # the controller restarting: try again shortly
+                await asyncio.sleep(1.0)
+                continue
+            ready = sorted(m["endpoint"] for m in members
+                           if m["role"] == "drafter" and m["state"] == "ready")
+            if ready != current:
+                await server.set_drafters(ready)
+                current = ready

@@ -1,0 +1,115 @@
+"""Configuration of a Ray-hosted stack: the model, one `RoleConfig` per role, and how the
+controller watches its members. Frozen, validated once, unknown keys rejected."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chainspec.engine.local import DEMO_MODEL, LocalOptions
+
+ROLES = ("drafter", "verifier")
+NAMESPACE = "chainspec"
+CONTROLLER_NAME = "chainspec-controller"
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """How many actors of one role, and what each asks Ray for.
+
+    `resource` is a custom Ray resource (default `chainspec_<role>`) requested in a tiny
+    amount only when the cluster declares it, so that on a cluster with drafter and
+    verifier node groups each role lands on its own nodes, while a plain local Ray
+    (which declares none) still places everything.
+    """
+
+    replicas: int = 1
+    num_gpus: float = 0.0  # > 0: the actor runs its model on "cuda"
+    num_cpus: float = 0.0
+    max_restarts: int = -1  # -1: Ray restarts a crashed actor forever
+    resource: str = ""  # "" -> chainspec_<role>
+    resource_amount: float = 0.001
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {self.replicas}")
+        if self.num_gpus < 0 or self.num_cpus < 0 or self.resource_amount <= 0:
+            raise ValueError("num_gpus and num_cpus must be >= 0, resource_amount > 0")
+        if self.max_restarts < -1:
+            raise ValueError(f"max_restarts must be >= -1, got {self.max_restarts}")
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.num_gpus > 0 else "cpu"
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    model_dir: str = str(DEMO_MODEL)
+    num_steps: int = 3  # K
+    chain: bool = True
+    max_seqs: int = 8  # sequence slots per verifier
+    drafter_max_seqs: int = 64  # sequence slots per drafter (it serves every verifier)
+    max_len: int = 1024
+    dtype: str = "float32"
+    drafter: RoleConfig = field(default_factory=RoleConfig)
+    verifier: RoleConfig = field(default_factory=RoleConfig)
+    host: str = "127.0.0.1"  # gRPC bind address; 0.0.0.0 advertises the node's IP
+    namespace: str = NAMESPACE
+    auth_token: str | None = None  # shared service-to-service token
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 5.0  # a member that does not answer a ping in time is dead
+    drain_timeout_s: float = 30.0  # longest wait for a draining member's load to reach 0
+    draft_deadline_s: float = 0.05
+    max_waiting: int = 64
+
+    def __post_init__(self) -> None:
+        LocalOptions(Path(self.model_dir), self.num_steps, self.chain, self.max_seqs,
+                     self.max_len, self.dtype)  # validates the model fields
+        if min(self.num_steps, self.max_seqs, self.drafter_max_seqs) < 1 \
+                or self.max_len < 2 * self.num_steps + 2:
+            raise ValueError("num_steps, max_seqs and drafter_max_seqs must be >= 1, "
+                             "max_len > 2K + 1")
+        if min(self.health_interval_s, self.health_timeout_s, self.drain_timeout_s,
+               self.draft_deadline_s) <= 0:
+            raise ValueError("health, drain and draft timings must be > 0")
+        if not self.namespace or not self.host:
+            raise ValueError("namespace and host must not be empty")
+
+    def role(self, role: str) -> RoleConfig:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; known: {', '.join(ROLES)}")
+        return self.drafter if role == "drafter" else self.verifier
+
+    def resource_name(self, role: str) -> str:
+        return self.role(role).resource or f"chainspec_{role}"
+
+    def local_options(self, role: str) -> LocalOptions:
+        return LocalOptions(Path(self.model_dir), self.num_steps, self.chain, self.max_seqs,
+                            self.max_len, self.dtype, self.role(role).device)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StackConfig:
+        """From parsed JSON/YAML; unknown keys are an error naming them."""
+        data = dict(data)
+        for role in ROLES:
+            if role in data:
+                data[role] = _build(RoleConfig, data[role], role)
+        return _build(cls, data, "config")
+
+
+def _build(cls, data: Any, where: str):
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(known))}")
+    return cls(**data)
+

@@ -1,0 +1,199 @@
+"""The controller: a named, detached Ray actor that owns membership (DESIGN 4.4).
+
+It spawns drafter and verifier actors (which it therefore owns: they die with it),
+health-checks each with an actor ping, drains members on scale-down, and publishes
+membership under a version counter that verifiers long-poll (`watch`) to follow drafters.
+
+Drain of one member: state DRAINING (version bump) -> every ready verifier has applied
+that version (it routes nothing new there and moved its sequences away) -> its load is 0
+-> the member's server drains -> the actor is killed for good. Each wait is bounded by
+`drain_timeout_s`; losing a drafter early costs speed only (DESIGN 3.4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+import ray
+
+from chainspec.cluster.actors import DrafterActor, VerifierActor
+from chainspec.cluster.config import ROLES, StackConfig
+from chainspec.cluster.membership import Member, MemberState
+
+START_TIMEOUT_S = 300.0  # longest wait for new members to load their model
+
+
+class Controller:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self._members: dict[str, Member] = {}
+        self._handles: dict[str, Any] = {}  # member_id -> actor handle
+        self.version = 0
+        self.applied: dict[str, int] = {}  # verifier member_id -> membership version applied
+        self._changed = asyncio.Event()
+        self._ids = {role: itertools.count() for role in ROLES}
+        self._tasks: set[asyncio.Task] = set()
+        for role in ROLES:  # NOTE: also what a restarted controller comes back with
+            for _ in range(config.role(role).replicas):
+                self._spawn(role)
+
+    # -- queries ------------------------------------------------------------------------
+    async def members(self) -> list[dict[str, Any]]:
+        return [m.to_dict() for m in self._members.values()]
+
+    async def get_config(self) -> dict[str, Any]:
+        return self.config.to_dict()
+
+    async def watch(self, version: int, timeout_s: float = 10.0,
+                    watcher: str | None = None) -> tuple[int, list[dict[str, Any]]]:
+        """Membership once it differs from `version` (or after `timeout_s`). `watcher`
+        (a verifier's member id) acknowledges that it has applied `version`."""
+        if watcher is not None:
+            self.applied[watcher] = version
+        if version == self.version:
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout_s)
+            except TimeoutError:
+                pass
+        return self.version, await self.members()
+
+    async def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> list[dict[str, Any]]:
+        """Members once none is starting; raises with the states on timeout or failure."""
+        deadline = time.monotonic() + timeout_s
+        while any(m.state is MemberState.STARTING for m in self._members.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"members not ready after {timeout_s:.0f} s: "
+                                   f"{self._summary()}")
+            await asyncio.sleep(0.1)
+        failed = [m for m in self._members.values() if m.state is MemberState.DEAD]
+        if failed:
+            raise RuntimeError(f"members failed to start: {self._summary()}")
+        return await self.members()
+
+    # -- membership ---------------------------------------------------------------------
+    async def register(self, member_id: str, info: dict[str, Any]) -> bool:
+        """An actor reports in after (re)starting; False if it is not a member."""
+        member = self._members.get(member_id)
+        if member is None:
+            return False
+        if member.observe(info):
+            self._bump()
+        return True
+
+    async def scale(self, role: str, n: int, wait: bool = True) -> list[dict[str, Any]]:
+        """Start or drain `role` actors until `n` are not draining; with `wait`, return
+        once the new ones are ready and the drained ones gone."""
+        self.config.role(role)  # validates the role
+        if n < 0:
+            raise ValueError(f"replicas must be >= 0, got {n}")
+        active = [m for m in self._members.values()
+                  if m.role == role and m.state is not MemberState.DRAINING]
+        started = [self._spawn(role) for _ in range(n - len(active))]
+        # drain the least loaded first, newest on ties
+        victims = sorted(active, key=lambda m: (m.load, -_index(m)))[:max(0, len(active) - n)]
+        drains = [self._start_task(self._drain(m)) for m in victims]
+        if wait:
+            await asyncio.gather(*drains)
+            await self._wait_started(started)
+        return await self.members()
+
+    async def shutdown(self) -> None:
+        """Kill every member (no restarts)."""
+        for task in list(self._tasks):
+            task.cancel()
+        for member_id in list(self._members):
+            self._remove(member_id)
+
+    # -- internals ----------------------------------------------------------------------
+    def _spawn(self, role: str) -> Member:
+        member = Member(f"{role}-{next(self._ids[role])}", role)
+        rc = self.config.role(role)
+        cls = DrafterActor if role == "drafter" else VerifierActor
+        handle = ray.remote(cls).options(
+            name=f"chainspec-{member.member_id}", namespace=self.config.namespace,
+            max_restarts=rc.max_restarts, num_gpus=rc.num_gpus, num_cpus=rc.num_cpus,
+            resources=self._resources(role)).remote(member.member_id, self.config)
+        self._members[member.member_id], self._handles[member.member_id] = member, handle
+        self._start_task(self._monitor(member))
+        self._bump()
+        return member
+
+    def _resources(self, role: str) -> dict[str, float]:
+        """The role's custom resource, only when the cluster declares it."""
+        name = self.config.resource_name(role)
+        return {name: self.config.role(role).resource_amount} \
+            if name in ray.cluster_resources() else {}
+
+    async def _monitor(self, member: Member) -> None:
+        """Ping the member every health interval; no answer in time marks it dead."""
+        handle = self._handles[member.member_id]
+        while member.member_id in self._members:
+            try:
+                info = await asyncio.wait_for(handle.ping.remote(), self.config.health_timeout_s)
+                changed = member.observe(info)
+            except Exception as e:  # RayActorError, timeout: crashed, restarting, hung
+                # NOTE: a starting actor cannot answer before its imports are done
+                changed = member.state is MemberState.READY
+                if changed:
+                    member.state = MemberState.DEAD
+                    member.error = f"missed a health check: {type(e).__name__}: {e}"
+            if changed:
+                self._bump()
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _drain(self, member: Member) -> None:
+        member.state = MemberState.DRAINING
+        self._bump()
+        drain_version = self.version
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while time.monotonic() < deadline and not self._drained(member, drain_version):
+            await asyncio.sleep(min(0.1, self.config.health_interval_s))
+        try:
+            await asyncio.wait_for(self._handles[member.member_id].drain.remote(),
+                                   self.config.drain_timeout_s)
+        except Exception:
+            pass  # NOTE: gone or stuck: it is killed below either way
+        self._remove(member.member_id)
+
+    def _drained(self, member: Member, version: int) -> bool:
+        verifiers = [m.member_id for m in self._members.values()
+                     if m.role == "verifier" and m.state is MemberState.READY]
+        applied = all(self.applied.get(v, -1) >= version for v in verifiers)
+        return applied and member.load == 0
+
+    def _remove(self, member_id: str) -> None:
+        handle = self._handles.pop(member_id, None)
+        self._members.pop(member_id, None)
+        self.applied.pop(member_id, None)
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
+        self._bump()
+
+    async def _wait_started(self, started: list[Member]) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while any(m.state is MemberState.STARTING for m in started):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"new members not ready: {self._summary()}")
+            await asyncio.sleep(0.1)
+
+    def _bump(self) -> None:
+        self.version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _start_task(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _summary(self) -> str:
+        return ", ".join(f"{m.member_id}={m.state}" + (f" ({m.error})" if m.error else "")
+                         for m in self._members.values())
+
+
+def _index(member: Member) -> int:
+    return int(member.member_id.rsplit("-", 1)[1])

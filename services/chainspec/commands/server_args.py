@@ -1,0 +1,63 @@
+"""Server and client arguments shared by the service commands (`verifier`, `up`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from chainspec.rpc.server import ServerOptions
+
+TOKEN_ENV = "CHAINSPEC_AUTH_TOKEN"  # read when set and neither token flag is given
+
+
+def add_token_args(p: argparse.ArgumentParser) -> None:
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--token-file", type=Path, help="file holding the shared token")
+    token.add_argument("--token-env", metavar="NAME",
+                       help=f"environment variable holding the shared token "
+                            f"(default: {TOKEN_ENV} when set)")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=ServerOptions.host, help="address to listen on")
+    p.add_argument("--port", type=int, default=ServerOptions.port, help="0: any free port")
+    p.add_argument("--max-message-bytes", type=int, default=ServerOptions.max_message_bytes)
+    p.add_argument("--drain-grace", type=float, default=ServerOptions.drain_grace_s,
+                   help="seconds calls in flight get to finish when draining")
+    p.add_argument("--tls-cert", type=Path, help="server certificate (PEM)")
+    p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
+    p.add_argument("--tls-client-ca", type=Path,
+                   help="CA for client certificates: set to require them (mTLS)")
+    add_token_args(p)
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
+                         tls_cert=args.tls_cert, tls_key=args.tls_key,
+                         tls_client_ca=args.tls_client_ca, auth_token=read_token(args),
+                         drain_grace_s=args.drain_grace)
+
+
+def read_token(args: argparse.Namespace) -> str | None:
+    """The shared token from --token-file, --token-env or $CHAINSPEC_AUTH_TOKEN; never argv."""
+    if args.token_file is not None:
+        token = args.token_file.read_text().strip()
+        if not token:
+            raise ValueError(f"--token-file {args.token_file} is empty")
+        return token
+    if args.token_env is not None:
+        token = os.environ.get(args.token_env, "").strip()
+        if not token:
+            raise ValueError(f"--token-env: ${args.token_env} is unset or empty")
+        return token
+    return os.environ.get(TOKEN_ENV, "").strip() or None
+
+
+def jsonable(value):
+    """Dataclass dicts with Paths as strings and any token masked."""
+    if isinstance(value, dict):
+        return {k: ("<set>" if k == "auth_token" and v else jsonable(v)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return str(value) if isinstance(value, Path) else value

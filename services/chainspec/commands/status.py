@@ -1,0 +1,31 @@
+"""`chainspec status`: the members of a running stack (from any process)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from chainspec.cluster import stack
+from chainspec.commands.stack_args import add_connect_args, namespace, print_members
+
+
+def add_parser(sub) -> list[str]:
+    p = sub.add_parser("status", help="show the members of a running stack",
+                       description="Members with role, endpoint, state, load, pid, node and "
+                                   "metrics_url; --json prints {\"members\": [...]}.")
+    add_connect_args(p)
+    return ["status"]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.dry_run:
+        print(json.dumps({"command": "status", "address": args.address,
+                          "namespace": namespace(args)}, indent=2))
+        return 0
+    try:
+        members = stack.status(args.address, namespace(args))
+    except stack.StackError as e:
+        print(f"chainspec status: {e}")
+        return 1
+    print_members(members, args.json)
+    return 0

@@ -1,0 +1,97 @@
+"""`chainspec verifier`: one Verifier gRPC service, standalone (no Ray), routed to the
+drafters given with --drafter (none: plain decoding).
+
+For debugging and for plain Kubernetes pods. Prints `verifier serving <host:port>` once
+the model is loaded and warmed up; on SIGTERM or SIGINT it drains (health NOT_SERVING,
+new requests UNAVAILABLE, up to --drain-grace seconds for requests in flight) and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from chainspec.commands.model_args import add_model_args, local_options
+from chainspec.commands.server_args import add_server_args, jsonable, server_options
+from chainspec.rpc.channel import ClientOptions
+from chainspec.rpc.server import ServerOptions
+from chainspec.rpc.verifier_service import VerifierOptions, serve_verifier
+
+
+@dataclass(frozen=True)
+class VerifierCommand:
+    """Everything `chainspec verifier` resolved from its arguments."""
+
+    verifier: VerifierOptions
+    server: ServerOptions
+    client: ClientOptions
+    drafters: tuple[str, ...]
+
+    def describe(self) -> dict:
+        return jsonable({"verifier": asdict(self.verifier), "server": asdict(self.server),
+                         "client": asdict(self.client), "drafters": list(self.drafters)})
+
+
+def add_parser(sub) -> list[str]:
+    p = sub.add_parser("verifier", help="run one verifier gRPC service (no Ray)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--drafter", action="append", default=[], metavar="HOST:PORT",
+                   help="a drafter endpoint (repeat for several)")
+    p.add_argument("--model-name", default="",
+                   help="name reported by Info (default: the model directory's name)")
+    p.add_argument("--max-waiting", type=int, default=VerifierOptions.max_waiting,
+                   help="queued requests beyond the running slots (then RESOURCE_EXHAUSTED)")
+    p.add_argument("--default-max-tokens", type=int,
+                   default=VerifierOptions.default_max_tokens)
+    p.add_argument("--draft-deadline", type=float, default=VerifierOptions.draft_deadline_s,
+                   help="seconds a round waits for drafts before decoding plainly")
+    add_server_args(p)
+    p.add_argument("--drafter-tls-ca", type=Path, help="CA that signed the drafters' certificates")
+    p.add_argument("--drafter-tls-cert", type=Path, help="client certificate for drafters (mTLS)")
+    p.add_argument("--drafter-tls-key", type=Path, help="client key for drafters (mTLS)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the arguments, print the resolved config, load nothing")
+    return ["verifier"]
+
+
+def resolve(args: argparse.Namespace) -> VerifierCommand:
+    """Validate the arguments into config objects (ValueError names the problem)."""
+    for ep in args.drafter:
+        host, _, port = ep.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--drafter {ep!r}: expected HOST:PORT")
+    verifier = VerifierOptions(local_options(args), args.model_name, args.max_waiting,
+                               args.default_max_tokens, args.draft_deadline)
+    server = server_options(args)
+    client = ClientOptions(tls_ca=args.drafter_tls_ca, tls_cert=args.drafter_tls_cert,
+                           tls_key=args.drafter_tls_key, auth_token=server.auth_token,
+                           max_message_bytes=args.max_message_bytes)
+    return VerifierCommand(verifier, server, client, tuple(args.drafter))
+
+
+def run(args: argparse.Namespace) -> int:
+    cmd = resolve(args)
+    if args.dry_run:
+        print(json.dumps(cmd.describe(), indent=2))
+        return 0
+    return asyncio.run(_serve(cmd))
+
+
+async def _serve(cmd: VerifierCommand) -> int:
+    verifier = await serve_verifier(cmd.verifier, cmd.server, cmd.drafters, cmd.client)
+    print(f"verifier serving {verifier.address} (drafters: {len(verifier.drafts.loads())})",
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("verifier draining", flush=True)
+    await verifier.drain()
+    print("verifier stopped", flush=True)
+    return 0
