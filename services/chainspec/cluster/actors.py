@@ -121,6 +121,10 @@ class VerifierActor(_ServiceActor):
         self._watch = asyncio.get_running_loop().create_task(self._follow_drafters(server))
         return server
 
+    async def stats(self) -> dict[str, float]:
+        """Cumulative engine and draft-pool counters (for benchmarks)."""
+        return self.server.stats() if self.server is not None else {}
+
     async def _follow_drafters(self, server) -> None:
         """Long-poll the controller; route to the drafters that are ready."""
         controller = ray.get_actor(CONTROLLER_NAME, namespace=self.config.namespace)

@@ -110,6 +110,7 @@ def down(address: str | None = None, namespace: str = NAMESPACE) -> None:
     _stop(connect(address, namespace))
     state = read_state(namespace)
     state_path(namespace).unlink(missing_ok=True)
+    state_path(namespace).with_suffix(".config.json").unlink(missing_ok=True)  # `up --detach`
     if state is not None and state.owner_pid not in (None, os.getpid()):
         try:
             os.kill(state.owner_pid, signal.SIGTERM)
@@ -154,5 +155,7 @@ def _find_controller(namespace: str):
 def _stop(controller) -> None:
     try:
         ray.get(controller.shutdown.remote(), timeout=60)
+    except ray.exceptions.RayActorError:
+        return  # stopped meanwhile (a `down` from another process)
     finally:
         ray.kill(controller, no_restart=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
@@ -50,6 +51,8 @@ class AsyncVerifier:
         self._streams: dict[str, _Stream] = {}
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._running = 0  # engine.num_running as of the last step (engine thread writes)
+        self.steps = 0  # engine steps run, and their wall time (benchmarks, metrics)
+        self.step_s_total = 0.0
         self._stopped: str | None = None  # why, once stopped
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -158,7 +161,10 @@ class AsyncVerifier:
         try:
             while self._run_commands(block=not self.engine.has_work):
                 if self.engine.has_work:
+                    t0 = time.perf_counter()
                     self._publish(self.engine.step())
+                    self.steps += 1
+                    self.step_s_total += time.perf_counter() - t0
                 self._running = self.engine.num_running
         except Exception as e:  # an engine bug: fail loudly, never hang the clients
             self._stopped = f"verifier engine failed: {type(e).__name__}: {e}"

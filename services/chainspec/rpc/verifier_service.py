@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
@@ -156,6 +156,11 @@ class VerifierServer:
     @property
     def load(self) -> int:
         return self.engine.running + self.engine.waiting
+
+    def stats(self) -> dict[str, float]:
+        """Engine steps and draft-pool counters (wait for drafts, bytes), cumulative."""
+        return {"steps": self.engine.steps, "step_s_total": self.engine.step_s_total,
+                **asdict(self.drafts.stats)}
 
     async def set_drafters(self, endpoints: Sequence[str]) -> None:
         """Follow drafters appearing, draining and dying (on the engine thread)."""

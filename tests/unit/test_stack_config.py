@@ -1,0 +1,104 @@
+"""Stack configuration, membership transitions and the service commands' --dry-run
+(no Ray, no model loading)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from chainspec.cli import main
+from chainspec.cluster.config import RoleConfig, StackConfig
+from chainspec.cluster.membership import Member, MemberState
+
+
+def test_from_dict_round_trip_and_unknown_keys() -> None:
+    cfg = StackConfig(model_dir="/m", drafter=RoleConfig(replicas=3, num_gpus=1))
+    assert StackConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ValueError, match="config: unknown keys bogus"):
+        StackConfig.from_dict({"bogus": 1})
+    with pytest.raises(ValueError, match="verifier: unknown keys gpus"):
+        StackConfig.from_dict({"verifier": {"gpus": 1}})
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"num_steps": 0}, "num_steps"), ({"dtype": "int4"}, "dtype"),
+    ({"drafter": {"replicas": -1}}, "replicas"), ({"health_timeout_s": 0}, "timings"),
+    ({"verifier": {"max_restarts": -2}}, "max_restarts"), ({"namespace": ""}, "namespace"),
+])
+def test_invalid_config_is_refused(bad, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        StackConfig.from_dict(bad)
+
+
+def test_roles_resources_and_devices() -> None:
+    cfg = StackConfig(drafter=RoleConfig(num_gpus=0.5), verifier=RoleConfig(resource="big"))
+    assert cfg.resource_name("drafter") == "chainspec_drafter"
+    assert cfg.resource_name("verifier") == "big"
+    assert cfg.local_options("drafter").device == "cuda"
+    assert cfg.local_options("verifier").device == "cpu"
+    with pytest.raises(ValueError, match="unknown role"):
+        cfg.role("gateway")
+
+
+def _info(**kw):
+    return {"serving": True, "endpoint": "h:1", "load": 0, "pid": 10, "node": "n",
+            "error": None, **kw}
+
+
+def test_member_observe_transitions() -> None:
+    m = Member("drafter-0", "drafter")
+    assert not m.observe(_info(serving=False, endpoint=None))  # still starting
+    assert m.observe(_info()) and m.state is MemberState.READY
+    assert not m.observe(_info(load=5)) and m.load == 5  # load alone wakes no watcher
+    assert m.observe(_info(pid=11, endpoint="h:2")) and m.restarts == 1
+    m.state = MemberState.DRAINING
+    assert not m.observe(_info(pid=11, endpoint="h:2")) and m.state is MemberState.DRAINING
+    failed = Member("verifier-0", "verifier")
+    assert failed.observe(_info(serving=False, error="OSError: no model"))
+    assert failed.state is MemberState.DEAD
+    assert Member.from_dict(failed.to_dict()) == failed
+
+
+def dry_run(capsys, *argv) -> dict:
+    assert main([*argv, "--dry-run"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_up_dry_run_merges_config_file_and_flags(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("CHAINSPEC_AUTH_TOKEN", "s3cret")
+    path = tmp_path / "stack.yaml"
+    path.write_text("model_dir: /models/x\nmax_len: 512\ndrafter:\n  replicas: 2\n")
+    out = dry_run(capsys, "up", "--config", str(path), "--drafter-gpus", "1", "--verifiers",
+                  "3", "--address", "ray://head:10001")
+    cfg = out["config"]
+    assert (cfg["model_dir"], cfg["max_len"], out["address"]) == ("/models/x", 512,
+                                                                  "ray://head:10001")
+    assert cfg["drafter"]["replicas"] == 2 and cfg["drafter"]["num_gpus"] == 1.0
+    assert cfg["verifier"]["replicas"] == 3
+    assert cfg["auth_token"] == "<set>"  # never printed
+
+
+def test_up_dry_run_rejects_bad_config(tmp_path) -> None:
+    path = tmp_path / "stack.yaml"
+    path.write_text("drafter: {replicas: 1, bogus: 2}\n")
+    assert main(["up", "--config", str(path), "--dry-run"]) == 2
+
+
+def test_scale_status_down_dry_run(capsys) -> None:
+    out = dry_run(capsys, "scale", "drafters", "4", "--namespace", "ns")
+    assert (out["role"], out["replicas"], out["namespace"]) == ("drafter", 4, "ns")
+    assert dry_run(capsys, "status")["namespace"] == "chainspec"
+    assert dry_run(capsys, "down", "--address", "auto")["address"] == "auto"
+    assert main(["scale", "drafters", "-1", "--dry-run"]) == 2
+
+
+def test_verifier_dry_run(capsys, tmp_path) -> None:
+    token = tmp_path / "token"
+    token.write_text("abc\n")
+    out = dry_run(capsys, "verifier", "--drafter", "d0:7001", "--drafter", "[::1]:7002",
+                  "--max-waiting", "3", "--token-file", str(token), "--port", "7100")
+    assert out["drafters"] == ["d0:7001", "[::1]:7002"]
+    assert out["verifier"]["max_waiting"] == 3 and out["server"]["port"] == 7100
+    assert out["server"]["auth_token"] == out["client"]["auth_token"] == "<set>"
+    assert main(["verifier", "--drafter", "nohost", "--dry-run"]) == 2
