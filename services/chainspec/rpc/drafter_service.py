@@ -77,8 +77,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             async for request in request_iterator:
                 yield await loop.run_in_executor(self.worker, self.answer, stream, request)
         finally:
-            # NOTE: queued behind any job still running for this stream (one FIFO thread)
-            self.worker.submit(self._release_stream, stream)
+            self._forget_stream(stream)
 
     async def Info(self, request, context) -> pb.DrafterInfo:
         e, c = self.engine, self.engine.config
@@ -112,7 +111,15 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.draining = True
 
     def close(self) -> None:
-        self.worker.shutdown(wait=False)
+        """After the server stopped: finish queued jobs (stream releases among them)."""
+        self.worker.shutdown(wait=True)
+
+    def _forget_stream(self, stream: dict[int, int]) -> None:
+        try:
+            # NOTE: queued behind any job still running for this stream (one FIFO thread)
+            self.worker.submit(self._release_stream, stream)
+        except RuntimeError:  # worker shut down: no job can touch the engine any more
+            self._release_stream(stream)
 
     # -- one request, on the worker thread -------------------------------------------
     def answer(self, stream: dict[int, int], request: pb.DraftRequest) -> pb.DraftResponse:
