@@ -102,3 +102,13 @@ def test_verifier_dry_run(capsys, tmp_path) -> None:
     assert out["verifier"]["max_waiting"] == 3 and out["server"]["port"] == 7100
     assert out["server"]["auth_token"] == out["client"]["auth_token"] == "<set>"
     assert main(["verifier", "--drafter", "nohost", "--dry-run"]) == 2
+
+
+def test_custom_resource_only_when_the_cluster_declares_it() -> None:
+    from chainspec.cluster.controller import role_resources
+    cfg = StackConfig(drafter=RoleConfig(resource_amount=0.01))
+    plain_ray = {"CPU": 2.0, "memory": 1e9}
+    assert role_resources(cfg, "drafter", plain_ray) == {}
+    grouped = {**plain_ray, "chainspec_drafter": 4.0}
+    assert role_resources(cfg, "drafter", grouped) == {"chainspec_drafter": 0.01}
+    assert role_resources(cfg, "verifier", grouped) == {}

@@ -69,7 +69,8 @@ class _ServiceActor:
         raise NotImplementedError
 
     def server_options(self) -> ServerOptions:
-        return ServerOptions(host=self.config.host, auth_token=self.config.auth_token)
+        return ServerOptions(host=self.config.host, auth_token=self.config.auth_token,
+                             drain_grace_s=self.config.drain_timeout_s)
 
     async def serve(self) -> Any:
         raise NotImplementedError
@@ -139,5 +140,9 @@ class VerifierActor(_ServiceActor):
             ready = sorted(m["endpoint"] for m in members
                            if m["role"] == "drafter" and m["state"] == "ready")
             if ready != current:
-                await server.set_drafters(ready)
+                try:
+                    await server.set_drafters(ready)
+                except Exception:  # the engine stopped: this verifier is going away
+                    log.exception("%s cannot follow drafters", self.member_id)
+                    return
                 current = ready

@@ -4,9 +4,10 @@ It spawns drafter and verifier actors (which it therefore owns: they die with it
 health-checks each with an actor ping, drains members on scale-down, and publishes
 membership under a version counter that verifiers long-poll (`watch`) to follow drafters.
 
-Drain of one member: state DRAINING (version bump) -> every ready verifier has applied
-that version (it routes nothing new there and moved its sequences away) -> its load is 0
--> the member's server drains -> the actor is killed for good. Each wait is bounded by
+Drain of one member: state DRAINING (version bump); for a drafter, wait until every ready
+verifier has applied that version (routes nothing new there, moved its sequences away)
+and its load is 0; then the member's server drains (new calls UNAVAILABLE, calls in
+flight finish) and the actor is killed for good. Each wait is bounded by
 `drain_timeout_s`; losing a drafter early costs speed only (DESIGN 3.4).
 """
 
@@ -115,17 +116,13 @@ class Controller:
         handle = ray.remote(cls).options(
             name=f"chainspec-{member.member_id}", namespace=self.config.namespace,
             max_restarts=rc.max_restarts, num_gpus=rc.num_gpus, num_cpus=rc.num_cpus,
-            resources=self._resources(role)).remote(member.member_id, self.config)
+            resources=role_resources(self.config, role, ray.cluster_resources())
+        ).remote(member.member_id, self.config)
         self._members[member.member_id], self._handles[member.member_id] = member, handle
         self._start_task(self._monitor(member))
         self._bump()
         return member
 
-    def _resources(self, role: str) -> dict[str, float]:
-        """The role's custom resource, only when the cluster declares it."""
-        name = self.config.resource_name(role)
-        return {name: self.config.role(role).resource_amount} \
-            if name in ray.cluster_resources() else {}
 
     async def _monitor(self, member: Member) -> None:
         """Ping the member every health interval; no answer in time marks it dead."""
@@ -147,22 +144,24 @@ class Controller:
     async def _drain(self, member: Member) -> None:
         member.state = MemberState.DRAINING
         self._bump()
-        drain_version = self.version
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        while time.monotonic() < deadline and not self._drained(member, drain_version):
-            await asyncio.sleep(min(0.1, self.config.health_interval_s))
-        try:
+        version = self.version
+        if member.role == "drafter":  # first the verifiers move its sequences elsewhere
+            deadline = time.monotonic() + self.config.drain_timeout_s
+            while time.monotonic() < deadline and not self._moved_off(member, version):
+                await asyncio.sleep(min(0.1, self.config.health_interval_s))
+        try:  # the server refuses new work and lets calls in flight finish (bounded)
             await asyncio.wait_for(self._handles[member.member_id].drain.remote(),
-                                   self.config.drain_timeout_s)
+                                   self.config.drain_timeout_s + 5.0)
         except Exception:
             pass  # NOTE: gone or stuck: it is killed below either way
         self._remove(member.member_id)
 
-    def _drained(self, member: Member, version: int) -> bool:
+    def _moved_off(self, drafter: Member, version: int) -> bool:
+        """Every ready verifier applied `version` (no longer routes there), load is 0."""
         verifiers = [m.member_id for m in self._members.values()
                      if m.role == "verifier" and m.state is MemberState.READY]
         applied = all(self.applied.get(v, -1) >= version for v in verifiers)
-        return applied and member.load == 0
+        return applied and drafter.load == 0
 
     def _remove(self, member_id: str) -> None:
         handle = self._handles.pop(member_id, None)
@@ -193,6 +192,14 @@ class Controller:
     def _summary(self) -> str:
         return ", ".join(f"{m.member_id}={m.state}" + (f" ({m.error})" if m.error else "")
                          for m in self._members.values())
+
+
+def role_resources(config: StackConfig, role: str, cluster: dict[str, float]
+                   ) -> dict[str, float]:
+    """The role's custom resource, only when the cluster declares it (else Ray could
+    never place the actor)."""
+    name = config.resource_name(role)
+    return {name: config.role(role).resource_amount} if name in cluster else {}
 
 
 def _index(member: Member) -> int:
