@@ -12,8 +12,10 @@ import sys
 import time
 
 import pytest
+import torch
 
 from chainspec.engine.draft_client import LocalDraftClient
+from chainspec.engine.draft_types import ErrorCode, SeqUpdate
 from chainspec.engine.request import FinishReason, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.models.loader import load_draft_model, load_target
@@ -290,3 +292,9 @@ def test_without_drafters_every_update_is_answered_locally(models, batch, plain)
     got = outputs(engine(models[0], client=client, k=K), batch[:2], MAX_TOKENS)[0]
     assert got == plain[:2]
     assert client.stats.local_failures >= 2 and client.stats.batches_sent == 0
+    # a sequence that found no drafter is not asked to resync (it would find none again)
+    client.submit([SeqUpdate(5, 0, (1, 2), torch.zeros(2, 32))])
+    client.submit([SeqUpdate(5, 2, (3,), torch.zeros(1, 32))])
+    assert client.collect()[5].code is ErrorCode.UNAVAILABLE
+    client.submit([SeqUpdate(6, 4, (3,), torch.zeros(1, 32))])  # unknown: resync
+    assert client.collect()[6].code is ErrorCode.FAILED_PRECONDITION

@@ -129,6 +129,7 @@ class GrpcDraftClient:
         self._links: dict[str, _Link] = {}  # current endpoints that were tried
         self._open: set[_Link] = set()  # links whose stream may still answer
         self._owner: dict[int, _Link] = {}
+        self._homeless: set[int] = set()  # found no drafter at their last start = 0
         self._ready: dict[int, SeqOutcome] = {}
         self._batch_ids = itertools.count(1)
         self._closed = False
@@ -248,6 +249,7 @@ class GrpcDraftClient:
         with self._cond:
             for seq_id in seq_ids:
                 self._ready.pop(seq_id, None)
+                self._homeless.discard(seq_id)
                 link = self._owner.pop(seq_id, None)
                 if link is not None:
                     self._unassign(link, seq_id, tell_drafter=True)
@@ -269,6 +271,10 @@ class GrpcDraftClient:
         if owner is not None:
             del self._owner[u.seq_id]
             self._unassign(owner, u.seq_id, tell_drafter=True)
+        if u.start != 0 and u.seq_id in self._homeless:
+            # NOTE: not FAILED_PRECONDITION: a resync would find no drafter either, and a
+            # verifier that retried resyncs would recompute the prefix every round
+            return self._local(u, ErrorCode.UNAVAILABLE, "no drafter available")
         if u.start != 0:
             where = "none" if owner is None else f"{owner.endpoint} is {owner.state}"
             return self._local(u, ErrorCode.FAILED_PRECONDITION,
@@ -276,7 +282,9 @@ class GrpcDraftClient:
         live = [link for link in self._links.values()
                 if link.state is LinkState.LIVE and len(link.seqs) < link.capacity]
         if not live:
+            self._homeless.add(u.seq_id)
             return self._local(u, ErrorCode.UNAVAILABLE, "no drafter available")
+        self._homeless.discard(u.seq_id)
         link = min(live, key=lambda link: len(link.seqs))
         self._owner[u.seq_id] = link
         link.seqs.add(u.seq_id)
