@@ -155,9 +155,6 @@ def test_two_drafters_share_sequences(models, batch, plain, drafters) -> None:
     assert drive.eng.resyncs == 0, "sticky: no update ever reached a drafter without its state"
 
 
-@pytest.mark.xfail(strict=True, reason="VerifierEngine leaves drafter_synced False after "
-                   "a resync (its drafts are stale by then), so a moved sequence never "
-                   "drafts again; fix in engine/verifier.py, then drop this mark")
 def test_moved_sequences_keep_drafting(loop, models, batch, drafters) -> None:
     a, b = drafters(2)
     client = GrpcDraftClient([a.address, b.address], round_deadline_s=PATIENT)

@@ -151,6 +151,10 @@ class VerifierEngine:
                     resync.append(self._resync_update(req))
         if resync:
             self.drafter.submit(resync)
+            for upd in resync:
+                # NOTE: the drafter sees the resync before this step's update (same stream,
+                # in order), so the sequence may keep sending updates from now on.
+                by_seq[upd.seq_id].drafter_synced = True
 
     def _resync_update(self, req: Request) -> SeqUpdate:
         """Rebuild the drafter's state: recompute h for the committed prefix (DESIGN 3.4)."""
