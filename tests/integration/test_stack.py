@@ -204,6 +204,23 @@ def test_verifier_sigkill_fails_fast_then_restarts(up, prompts, plain24) -> None
     assert got.tokens == plain24[1]
 
 
+def test_external_gateway_joins_heartbeats_and_expires(up) -> None:
+    import ray
+    controller = stack.connect(namespace=NS)
+    info = {"serving": True, "endpoint": "127.0.0.1:8000", "load": 0, "pid": os.getpid(),
+            "node": "127.0.0.1", "error": None, "metrics_url": "http://127.0.0.1:8000/metrics"}
+    member_id = ray.get(controller.join.remote("gateway", info))
+    gateway = wait_for(lambda: members("gateway"), 10, "the gateway listed")[0]
+    assert gateway["metrics_url"] == info["metrics_url"]
+    for _ in range(8):  # heartbeats keep it ready past the 3 s health timeout
+        assert ray.get(controller.register.remote(member_id, {**info, "load": 2}))
+        time.sleep(0.5)
+    assert members("gateway")[0]["load"] == 2
+    wait_for(lambda: members("gateway", state="dead"), 10, "the silent gateway marked dead")
+    ray.get(controller.leave.remote(member_id))
+    assert members("gateway", state=None) == []
+
+
 def cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
     """`chainspec ...` in a fresh process (finds the stack through the state file)."""
     return subprocess.run([sys.executable, "-m", "chainspec.cli", *args, "--namespace", NS],

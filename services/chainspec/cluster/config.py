@@ -10,7 +10,8 @@ from typing import Any
 
 from chainspec.engine.local import DEMO_MODEL, LocalOptions
 
-ROLES = ("drafter", "verifier")
+ROLES = ("drafter", "verifier")  # what the controller starts and scales
+MEMBER_ROLES = (*ROLES, "gateway")  # gateways run outside and join
 NAMESPACE = "chainspec"
 CONTROLLER_NAME = "chainspec-controller"
 

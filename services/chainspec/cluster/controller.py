@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from chainspec.cluster.actors import DrafterActor, VerifierActor
-from chainspec.cluster.config import ROLES, StackConfig
+from chainspec.cluster.config import MEMBER_ROLES, ROLES, StackConfig
 from chainspec.cluster.membership import Member, MemberState
 
 START_TIMEOUT_S = 300.0  # longest wait for new members to load their model
@@ -35,7 +35,8 @@ class Controller:
         self.version = 0
         self.applied: dict[str, int] = {}  # verifier member_id -> membership version applied
         self._changed = asyncio.Event()
-        self._ids = {role: itertools.count() for role in ROLES}
+        self._ids = {role: itertools.count() for role in MEMBER_ROLES}
+        self._heartbeats: dict[str, float] = {}  # external member_id -> last register
         self._tasks: set[asyncio.Task] = set()
         for role in ROLES:  # NOTE: also what a restarted controller comes back with
             for _ in range(config.role(role).replicas):
@@ -80,9 +81,27 @@ class Controller:
         member = self._members.get(member_id)
         if member is None:
             return False
+        if member_id in self._heartbeats:
+            self._heartbeats[member_id] = time.monotonic()
         if member.observe(info):
             self._bump()
         return True
+
+    async def join(self, role: str, info: dict[str, Any]) -> str:
+        """A member run outside the controller (a gateway) joins; it stays alive by calling
+        `register` at least every `health_timeout_s` and leaves with `leave`."""
+        if role not in MEMBER_ROLES:
+            raise ValueError(f"unknown role {role!r}; known: {', '.join(MEMBER_ROLES)}")
+        member = Member(f"{role}-{next(self._ids[role])}", role)
+        self._members[member.member_id] = member
+        self._heartbeats[member.member_id] = time.monotonic()
+        member.observe(info)
+        self._start_task(self._expire(member))
+        self._bump()
+        return member.member_id
+
+    async def leave(self, member_id: str) -> None:
+        self._remove(member_id)
 
     async def scale(self, role: str, n: int, wait: bool = True) -> list[dict[str, Any]]:
         """Start or drain `role` actors until `n` are not draining; with `wait`, return
@@ -141,6 +160,15 @@ class Controller:
                 self._bump()
             await asyncio.sleep(self.config.health_interval_s)
 
+    async def _expire(self, member: Member) -> None:
+        """An external member without a heartbeat for `health_timeout_s` is dead."""
+        while member.member_id in self._members:
+            late = time.monotonic() - self._heartbeats[member.member_id]
+            if late > self.config.health_timeout_s and member.state is MemberState.READY:
+                member.state, member.error = MemberState.DEAD, f"no heartbeat for {late:.1f} s"
+                self._bump()
+            await asyncio.sleep(self.config.health_interval_s)
+
     async def _drain(self, member: Member) -> None:
         member.state = MemberState.DRAINING
         self._bump()
@@ -167,6 +195,7 @@ class Controller:
         handle = self._handles.pop(member_id, None)
         self._members.pop(member_id, None)
         self.applied.pop(member_id, None)
+        self._heartbeats.pop(member_id, None)
         if handle is not None:
             ray.kill(handle, no_restart=True)
         self._bump()

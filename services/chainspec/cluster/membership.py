@@ -44,6 +44,7 @@ class Member:
             self.restarts += 1
         self.pid, self.node, self.load = info["pid"], info["node"], info["load"]
         self.endpoint, self.error = info["endpoint"], info["error"]
+        self.metrics_url = info.get("metrics_url", self.metrics_url)
         if self.state is not MemberState.DRAINING:
             if info["error"]:
                 self.state = MemberState.DEAD
