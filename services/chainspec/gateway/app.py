@@ -1,0 +1,186 @@
+"""The gateway's ASGI app: the `Gateway` object the routes delegate to, the error
+handlers that turn every failure into an OpenAI-style body, and status metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from chainspec.gateway.chat_template import ChatTemplate
+from chainspec.gateway.client import GenerationSpec, GenerationStream, open_generation
+from chainspec.gateway.config import GatewayConfig
+from chainspec.gateway.errors import APIError, invalid, not_found, overloaded, unavailable
+from chainspec.gateway.metrics import GatewayMetrics
+from chainspec.gateway.responses import Envelope, Format, finish_reason, full_body
+from chainspec.gateway.routing import VerifierPool
+from chainspec.gateway.sse import HEADERS, EventStreamResponse, stream_events
+
+CLIENT_GONE = 499  # nginx's code for "the client closed the request"
+
+
+class Gateway:
+    """Admission, model names and the request/response cycle behind the routes."""
+
+    def __init__(self, config: GatewayConfig, pool: VerifierPool, chat: ChatTemplate) -> None:
+        self.config, self.pool, self.chat = config, pool, chat
+        self.metrics = GatewayMetrics()
+        self.in_flight = 0
+        self.started = int(time.time())
+
+    # -- models -------------------------------------------------------------------------
+    def model_names(self) -> list[str]:
+        if self.config.model_name:
+            return [self.config.model_name] if self.pool.ready else []
+        return sorted({info.model_name for info in self.pool.model_infos()})
+
+    def resolve_model(self, requested: str | None) -> str:
+        names = self.model_names()
+        if not names:
+            raise unavailable("no verifier is serving yet; retry shortly",
+                              self.config.retry_after_s)
+        if requested is None:
+            return names[0]
+        if requested not in names:
+            raise invalid("model", f"unknown model {requested!r}; this server serves "
+                                   f"{', '.join(map(repr, names))}", "model_not_found")
+        return requested
+
+    def new_spec(self, body: Any, prompt: str | list[int], prefix: str) -> GenerationSpec:
+        return GenerationSpec(f"{prefix}{uuid.uuid4().hex}", prompt, body.output_limit,
+                              body.temperature, body.top_p, body.top_k, body.seed,
+                              tuple(body.stop), body.ignore_eos)
+
+    # -- one generation -----------------------------------------------------------------
+    async def respond(self, request: Request, fmt: type[Format], spec: GenerationSpec,
+                      body: Any, model: str) -> Response:
+        self._admit()
+        try:
+            stream = await until_disconnected(request, self._open(spec, fmt))
+        except BaseException:
+            self._leave()
+            raise
+        if stream is None:
+            self._leave()
+            return Response(status_code=CLIENT_GONE)
+        env = Envelope(spec.request_id, int(time.time()), model)
+
+        def close() -> None:
+            stream.close()
+            self._leave()
+        if body.stream:
+            return EventStreamResponse(stream_events(stream, fmt, env, body.include_usage),
+                                       close, media_type="text/event-stream", headers=HEADERS)
+        try:
+            result = await until_disconnected(request, collect(stream, fmt, env))
+        finally:
+            close()
+        return JSONResponse(result) if result is not None else Response(status_code=CLIENT_GONE)
+
+    async def _open(self, spec: GenerationSpec, fmt: type[Format]) -> GenerationStream:
+        return await open_generation(self.pool, spec, fmt.prompt_field,
+                                     self.config.request_timeout_s, self.config.retry_after_s)
+
+    def _admit(self) -> None:
+        if self.in_flight >= self.config.max_in_flight:
+            raise overloaded(f"the gateway has {self.in_flight} requests in flight, its limit",
+                             self.config.retry_after_s)
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+
+    def _leave(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
+
+
+async def collect(stream: GenerationStream, fmt: type[Format], env: Envelope) -> dict:
+    """A whole non-streamed response."""
+    parts: list[str] = []
+    async for msg in stream.messages():
+        if msg.HasField("chunk"):
+            parts.append(msg.chunk.text)
+        else:
+            return full_body(fmt, env, "".join(parts), finish_reason(msg.finished),
+                             msg.finished.stats)
+    raise APIError(502, "the verifier ended the stream without finishing the request",
+                   "server_error", None, "internal_error")
+
+
+async def until_disconnected(request: Request, coro) -> Any:
+    """`coro`'s result, or None (coro cancelled) if the client goes away first. The
+    request body must have been read already."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        return None
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+def build_app(gateway: Gateway) -> StatusMetrics:
+    from chainspec.gateway.routes import router
+
+    app = FastAPI(title="chainspec", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gateway
+    app.include_router(router)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    return StatusMetrics(app, gateway.metrics)
+
+
+async def _api_error(request: Request, e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), e.status, headers=e.headers)
+
+
+async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    err = not_found(request.url.path) if e.status_code == 404 else \
+        APIError(e.status_code, str(e.detail), "invalid_request_error")
+    return JSONResponse(err.body(), err.status, headers=err.headers)
+
+
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    err = APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error", None,
+                   "internal_error")
+    return JSONResponse(err.body(), 500)
+
+
+class StatusMetrics:
+    """Pure ASGI wrapper counting response codes per route (it never buffers a body,
+    so streaming and disconnects pass through untouched)."""
+
+    def __init__(self, app: FastAPI, metrics: GatewayMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    @property
+    def state(self):
+        return self.app.state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def observed_send(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.observe(scope["path"], message["status"])
+            await send(message)
+        await self.app(scope, receive, observed_send)

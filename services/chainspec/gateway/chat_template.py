@@ -1,0 +1,93 @@
+"""Chat messages -> one prompt text.
+
+A model directory with a chat template (`chat_template.jinja` or `tokenizer_config.json`,
+see `Tokenizer.from_dir`) is rendered with jinja2 in a sandbox, with the variables
+Hugging Face templates expect (`messages`, `add_generation_prompt`, `bos_token`,
+`eos_token`, `raise_exception`). Without one, the documented default is used:
+
+    <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
+
+one `<|role|>` line and the message per turn, then `<|assistant|>` and a newline.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from chainspec.gateway.errors import invalid
+from chainspec.models.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str
+    content: str
+
+
+def default_render(turns: Sequence[Turn]) -> str:
+    return "".join(f"<|{t.role}|>\n{t.content}\n" for t in turns) + "<|assistant|>\n"
+
+
+class ChatTemplate:
+    """Renders a conversation for generation (the assistant's turn comes next)."""
+
+    def __init__(self, template: str | None = None, bos_token: str = "",
+                 eos_token: str = "") -> None:
+        self.source = template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self._compiled = _compile(template) if template else None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path | None) -> ChatTemplate:
+        """The model's template; the default when there is none (or no directory)."""
+        if model_dir is None or not (Path(model_dir) / "tokenizer.json").is_file():
+            return cls()
+        template = Tokenizer.from_dir(model_dir).chat_template
+        bos, eos = _special_tokens(Path(model_dir))
+        return cls(template, bos, eos)
+
+    @property
+    def is_default(self) -> bool:
+        return self._compiled is None
+
+    def render(self, turns: Sequence[Turn]) -> str:
+        if self._compiled is None:
+            return default_render(turns)
+        try:
+            return self._compiled.render(
+                messages=[{"role": t.role, "content": t.content} for t in turns],
+                add_generation_prompt=True, bos_token=self.bos_token,
+                eos_token=self.eos_token)
+        except jinja2.TemplateError as e:  # incl. raise_exception from the template
+            raise invalid("messages", f"the model's chat template refused them: {e}") from None
+
+
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent,
+                                                                  ensure_ascii=False)
+    env.globals["raise_exception"] = _raise
+    return env.from_string(template)
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _special_tokens(model_dir: Path) -> tuple[str, str]:
+    path = model_dir / "tokenizer_config.json"
+    try:
+        cfg = json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        cfg = {}
+
+    def text(value) -> str:
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) else ""
+    return text(cfg.get("bos_token")), text(cfg.get("eos_token"))

@@ -1,0 +1,115 @@
+"""One request to the verifiers: build the `GenerateRequest`, pick a verifier, and stream.
+
+`open_generation` tries the serving verifiers least-loaded first and returns once one of
+them has sent the first message, so everything that can go wrong before the first token
+(bad input, a full or draining verifier) is still an HTTP status. A full
+(RESOURCE_EXHAUSTED) or draining/unreachable (UNAVAILABLE) verifier passes the request on
+to the next one; when none is left the answer is 429 resp. 503. `close()` cancels the
+gRPC call, which aborts the request in the verifier and releases it in the drafters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from chainspec.gateway.errors import APIError, from_grpc, unavailable
+from chainspec.gateway.routing import VerifierHandle, VerifierPool
+from chainspec.rpc.generated.v1 import verifier_pb2 as pb
+
+RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """A validated request in verifier terms."""
+
+    request_id: str
+    prompt: str | list[int]
+    max_tokens: int | None  # None: the verifier's default
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    ignore_eos: bool
+
+    def message(self) -> pb.GenerateRequest:
+        req = pb.GenerateRequest(request_id=self.request_id)
+        if isinstance(self.prompt, str):
+            req.text = self.prompt
+        else:
+            req.tokens.ids.extend(self.prompt)
+        req.sampling.temperature = self.temperature
+        req.sampling.top_p = self.top_p
+        req.sampling.top_k = max(self.top_k, 0)
+        if self.seed is not None:
+            req.sampling.seed = self.seed
+        req.stop.max_tokens = self.max_tokens or 0
+        req.stop.stop.extend(self.stop)
+        req.stop.ignore_eos = self.ignore_eos
+        return req
+
+
+class GenerationStream:
+    """A Generate call that has produced its first message."""
+
+    def __init__(self, pool: VerifierPool, handle: VerifierHandle, call,
+                 first: pb.GenerateResponse, prompt_field: str, retry_after_s: int) -> None:
+        self.pool, self.handle, self.call, self.first = pool, handle, call, first
+        self.prompt_field, self.retry_after_s = prompt_field, retry_after_s
+        self._closed = False
+
+    @property
+    def endpoint(self) -> str:
+        return self.handle.endpoint
+
+    async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
+        """Every message, the first included; a failed call raises APIError."""
+        yield self.first
+        try:
+            while True:
+                msg = await self.call.read()
+                if msg is grpc.aio.EOF:
+                    return
+                yield msg
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e, self.prompt_field, self.retry_after_s) from None
+
+    def close(self) -> None:
+        """Cancel the call if it is still running (idempotent, never blocks)."""
+        if not self._closed:
+            self._closed = True
+            self.call.cancel()
+            self.pool.release(self.handle)
+
+
+async def open_generation(pool: VerifierPool, spec: GenerationSpec, prompt_field: str,
+                          timeout_s: float, retry_after_s: int) -> GenerationStream:
+    request = spec.message()
+    last: APIError | None = None
+    for handle in pool.candidates():
+        pool.acquire(handle)
+        call = handle.stub.Generate(request, timeout=timeout_s)
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            pool.release(handle)
+            error = from_grpc(e, prompt_field, retry_after_s)
+            if e.code() not in RETRYABLE:
+                raise error from None
+            if e.code() is grpc.StatusCode.UNAVAILABLE:
+                pool.mark_unavailable(handle)
+            last = error if last is None or last.status != 429 else last
+            continue
+        except BaseException:  # cancelled while waiting (client gone)
+            call.cancel()
+            pool.release(handle)
+            raise
+        if first is grpc.aio.EOF:  # a verifier always ends with `finished`; treat as gone
+            pool.release(handle)
+            continue
+        return GenerationStream(pool, handle, call, first, prompt_field, retry_after_s)
+    raise last or unavailable("no verifier is serving yet; retry shortly", retry_after_s)

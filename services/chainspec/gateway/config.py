@@ -1,0 +1,51 @@
+"""How the gateway listens and admits requests: one frozen dataclass, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The HTTP side of the gateway. `api_key` set: every /v1 call must carry
+    `Authorization: Bearer <api_key>` (/health and /metrics stay open for probes)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: an ephemeral port
+    api_key: str | None = None
+    model_name: str = ""  # the name clients use; "" = the name the verifiers report
+    max_in_flight: int = 256  # requests in flight through this gateway, then 429
+    retry_after_s: int = 1  # Retry-After of 429 and 503 answers
+    request_timeout_s: float = 600.0  # deadline of one request at the verifier
+    refresh_interval_s: float = 1.0  # how often verifiers' health and load are polled
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("gateway.host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"gateway.port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("gateway.api_key must not be empty (leave it unset to disable)")
+        if self.max_in_flight < 1:
+            raise ValueError(f"gateway.max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.retry_after_s < 0:
+            raise ValueError(f"gateway.retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.request_timeout_s <= 0 or self.refresh_interval_s <= 0:
+            raise ValueError("gateway.request_timeout_s and refresh_interval_s must be > 0")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> GatewayConfig:
+        """From parsed YAML/JSON; unknown keys are an error naming them."""
+        if not isinstance(data, dict):
+            raise ValueError(f"gateway: expected a mapping, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"gateway: unknown keys {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

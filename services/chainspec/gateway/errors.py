@@ -1,0 +1,99 @@
+"""Errors of the HTTP API: one exception type with an OpenAI-style body, and the mapping
+from the verifier's gRPC status codes.
+
+Body: `{"error": {"message", "type", "param", "code"}}`. A message about one field starts
+with the field's name as the client spelled it (`max_tokens: ...`, `messages[1].role: ...`)
+and `param` carries the same name.
+"""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+
+
+class APIError(Exception):
+    """An HTTP error answer; raise it anywhere below a route."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type_
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid(param: str | None, message: str, code: str = "invalid_value") -> APIError:
+    text = f"{param}: {message}" if param else message
+    return APIError(400, text, "invalid_request_error", param, code)
+
+
+def unsupported(param: str, what: str) -> APIError:
+    return invalid(param, f"{what} is not supported by this server", "unsupported_parameter")
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, "authentication_error", None, "invalid_api_key",
+                    {"WWW-Authenticate": "Bearer"})
+
+
+def overloaded(message: str, retry_after_s: int) -> APIError:
+    return APIError(429, message, "rate_limit_error", None, "overloaded",
+                    {"Retry-After": str(retry_after_s)})
+
+
+def unavailable(message: str, retry_after_s: int = 1) -> APIError:
+    return APIError(503, message, "service_unavailable", None, "unavailable",
+                    {"Retry-After": str(retry_after_s)})
+
+
+def not_found(path: str) -> APIError:
+    return APIError(404, f"no route {path}", "invalid_request_error", None, "not_found")
+
+
+# The verifier names fields by their path in GenerateRequest; the client knows them by the
+# HTTP name. `prompt.*` becomes the endpoint's prompt field ("prompt" or "messages").
+_WIRE_FIELDS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p",
+                "sampling.top_k": "top_k", "sampling.seed": "seed", "stop.stop": "stop",
+                "stop.max_tokens": "max_tokens", "stop.stop_token_ids": "stop_token_ids"}
+_WIRE_PATH = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*)(\[\d+\])?: ")
+
+
+def http_param(wire_message: str, prompt_field: str) -> tuple[str | None, str]:
+    """(HTTP field, message without the wire path) of a verifier INVALID_ARGUMENT."""
+    match = _WIRE_PATH.match(wire_message)
+    if match is None:
+        return None, wire_message
+    path, rest = match.group(1), wire_message[match.end():]
+    if path == "prompt" or path.startswith("prompt."):
+        return prompt_field, rest
+    return _WIRE_FIELDS.get(path), rest
+
+
+def from_grpc(error: grpc.aio.AioRpcError, prompt_field: str, retry_after_s: int) -> APIError:
+    """The HTTP answer for a status the verifier ended a Generate call with."""
+    code, details = error.code(), error.details() or code_name(error.code())
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        param, message = http_param(details, prompt_field)
+        kind = "context_length_exceeded" if "do not fit the context" in message \
+            else "invalid_value"
+        return invalid(param, message, kind)
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return APIError(401, f"the verifier refused the gateway: {details}",
+                        "authentication_error", None, "unauthenticated")
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return overloaded(f"the server is at capacity: {details}", retry_after_s)
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return unavailable(f"no verifier could take the request: {details}", retry_after_s)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return APIError(504, f"the request timed out: {details}", "timeout", None, "timeout")
+    return APIError(500, f"the verifier failed the request ({code_name(code)}): {details}",
+                    "server_error", None, "internal_error")
+
+
+def code_name(code: grpc.StatusCode) -> str:
+    return code.name if code is not None else "UNKNOWN"

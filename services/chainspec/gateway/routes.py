@@ -1,0 +1,84 @@
+"""The HTTP routes: thin -- check the key, parse, delegate to the `Gateway`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from chainspec.gateway.app import Gateway
+from chainspec.gateway.auth import check_api_key
+from chainspec.gateway.chat_template import Turn
+from chainspec.gateway.errors import invalid
+from chainspec.gateway.responses import ChatFormat, CompletionFormat
+from chainspec.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
+
+router = APIRouter()
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    check_api_key(request.headers, gateway.config.api_key)
+    return gateway
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise invalid(None, f"the request body is not valid JSON: {e}") from None
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    gateway = _gateway(request)
+    body = parse(CompletionRequest, await _json(request))
+    prompt = body.prompt_value()
+    model = gateway.resolve_model(body.model)
+    spec = gateway.new_spec(body, prompt, "cmpl-")
+    return await gateway.respond(request, CompletionFormat, spec, body, model)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    gateway = _gateway(request)
+    body = parse(ChatCompletionRequest, await _json(request))
+    prompt = gateway.chat.render([Turn(m.role, m.text()) for m in body.messages])
+    model = gateway.resolve_model(body.model)
+    spec = gateway.new_spec(body, prompt, "chatcmpl-")
+    return await gateway.respond(request, ChatFormat, spec, body, model)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    gateway = _gateway(request)
+    infos, alias = gateway.pool.model_infos(), bool(gateway.config.model_name)
+    data = [{"id": name, "object": "model", "created": gateway.started, "owned_by": "chainspec",
+             "max_model_len": max((i.max_model_len for i in infos
+                                   if alias or i.model_name == name), default=None)}
+            for name in gateway.model_names()]
+    return JSONResponse({"object": "list", "data": data})
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 once a verifier serves, else 503. `drafters`: the most drafters any serving
+    verifier is connected to; `speculative`: whether any verifier drafts."""
+    gateway: Gateway = request.app.state.gateway
+    views = gateway.pool.views()
+    serving = [v for v in views if v.serving]
+    drafters = max((v.drafters for v in serving), default=0)
+    body = {"status": "ok" if serving else "unavailable", "verifiers": len(serving),
+            "drafters": drafters, "speculative": drafters > 0,
+            "in_flight": gateway.in_flight,
+            "members": [asdict(v) for v in views]}
+    return JSONResponse(body, 200 if serving else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    content, media_type = request.app.state.gateway.metrics.exposition()
+    return Response(content, media_type=media_type)
