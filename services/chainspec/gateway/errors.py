@@ -60,18 +60,21 @@ def not_found(path: str) -> APIError:
 _WIRE_FIELDS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p",
                 "sampling.top_k": "top_k", "sampling.seed": "seed", "stop.stop": "stop",
                 "stop.max_tokens": "max_tokens", "stop.stop_token_ids": "stop_token_ids"}
-_WIRE_PATH = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*)(\[\d+\])?: ")
+_WIRE_PATH = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*)(\[\d+\])?(: | )")
 
 
 def http_param(wire_message: str, prompt_field: str) -> tuple[str | None, str]:
-    """(HTTP field, message without the wire path) of a verifier INVALID_ARGUMENT."""
+    """(HTTP field, message) of a verifier INVALID_ARGUMENT. `path: text` becomes `text`;
+    other messages (`prompt.tokens.ids[1] = 900 is out of range ...`) stay whole."""
     match = _WIRE_PATH.match(wire_message)
     if match is None:
         return None, wire_message
-    path, rest = match.group(1), wire_message[match.end():]
+    path = match.group(1)
+    rest = wire_message[match.end():] if match.group(3) == ": " else wire_message
     if path == "prompt" or path.startswith("prompt."):
         return prompt_field, rest
-    return _WIRE_FIELDS.get(path), rest
+    param = _WIRE_FIELDS.get(path)
+    return param, rest if param else wire_message
 
 
 def from_grpc(error: grpc.aio.AioRpcError, prompt_field: str, retry_after_s: int) -> APIError:

@@ -1,15 +1,22 @@
 """Where the gateway learns its verifiers: a static list, or the controller's membership
-when the stack runs on Ray (DESIGN 4.4). A source's `run(pool)` keeps the pool's
-endpoints current until cancelled."""
+when the stack runs on Ray (DESIGN 4.4). A source's `run(pool, describe)` keeps the
+pool's endpoints current until cancelled; `describe()` is this gateway's member info
+(endpoint, load, serving, pid, metrics_url), which the Ray source registers with the
+controller as a `gateway` member."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
 WATCH_TIMEOUT_S = 10.0
+LEAVE_TIMEOUT_S = 5.0
+
+Describe = Callable[[], dict[str, Any]]
 
 
 class StaticVerifiers:
@@ -22,18 +29,30 @@ class StaticVerifiers:
                 raise ValueError(f"verifier endpoint {ep!r}: expected HOST:PORT")
         self.endpoints = tuple(endpoints)
 
-    async def run(self, pool) -> None:
+    async def run(self, pool, describe: Describe) -> None:
         pool.set_endpoints(self.endpoints)
 
 
 class ControllerVerifiers:
-    """The ready verifiers of a Ray-hosted stack, long-polled from its controller.
-    `on_lost` is called once if the controller dies for good (the stack was stopped)."""
+    """The ready verifiers of a Ray-hosted stack, long-polled from its controller; the
+    gateway joins the membership (role `gateway`), heartbeats with `register` and leaves
+    when stopped. `on_lost` is called once if the controller dies for good (the stack
+    was stopped)."""
 
     def __init__(self, controller, on_lost: Callable[[], None] | None = None) -> None:
         self.controller, self.on_lost = controller, on_lost
+        self.member_id: str | None = None
 
-    async def run(self, pool) -> None:
+    async def run(self, pool, describe: Describe) -> None:
+        heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(describe))
+        try:
+            await self._follow(pool)
+        finally:
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+            await self._leave()
+
+    async def _follow(self, pool) -> None:
         from ray.exceptions import ActorDiedError
 
         version = -1
@@ -53,3 +72,32 @@ class ControllerVerifiers:
             pool.set_endpoints(m["endpoint"] for m in members
                                if m["role"] == "verifier" and m["state"] == "ready"
                                and m["endpoint"])
+
+    async def _heartbeat(self, describe: Describe) -> None:
+        """Join, then `register` often enough that the controller never expires us; a
+        restarted controller has forgotten us (`register` is False): join again."""
+        import ray
+
+        config = await self.controller.get_config.remote()
+        interval = min(1.0, config["health_timeout_s"] / 3)
+        node = ray.util.get_node_ip_address()
+        while True:
+            info = {**describe(), "node": node}
+            host, _, port = info["endpoint"].rpartition(":")
+            if host in ("0.0.0.0", "::", ""):  # listening everywhere: advertise the node
+                info["endpoint"] = f"{node}:{port}"
+            try:
+                if self.member_id is None or \
+                        not await self.controller.register.remote(self.member_id, info):
+                    self.member_id = await self.controller.join.remote("gateway", info)
+            except Exception as e:  # the controller restarting or gone; _follow decides
+                log.debug("gateway heartbeat failed: %s", e)
+            await asyncio.sleep(interval)
+
+    async def _leave(self) -> None:
+        if self.member_id is None:
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.controller.leave.remote(self.member_id),
+                                   LEAVE_TIMEOUT_S)
+        self.member_id = None

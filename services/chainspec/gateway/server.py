@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 
 import uvicorn
@@ -31,6 +32,7 @@ class GatewayServer:
     def __init__(self, gateway: Gateway, server: _Uvicorn, sock: socket.socket,
                  tasks: list[asyncio.Task]) -> None:
         self.gateway, self._server, self._sock, self._tasks = gateway, server, sock, tasks
+        self.port: int = sock.getsockname()[1]
 
     @classmethod
     async def start(cls, config: GatewayConfig, source, chat: ChatTemplate | None = None,
@@ -42,20 +44,16 @@ class GatewayServer:
                                          log_level="warning", access_log=False, lifespan="off",
                                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(pool.run()), loop.create_task(source.run(pool)),
-                 loop.create_task(server.serve(sockets=[sock]))]
+        tasks = [loop.create_task(pool.run()), loop.create_task(server.serve(sockets=[sock]))]
         self = cls(gateway, server, sock, tasks)
+        tasks.append(loop.create_task(source.run(pool, self.member_info)))
         while not server.started:
-            if tasks[2].done():  # failed to start
+            if tasks[1].done():  # failed to start
                 await self.stop()
-                tasks[2].result()
+                tasks[1].result()
                 raise OSError(f"the gateway could not start on {config.host}:{config.port}")
             await asyncio.sleep(0.01)
         return self
-
-    @property
-    def port(self) -> int:
-        return self._sock.getsockname()[1]
 
     @property
     def url(self) -> str:
@@ -72,6 +70,13 @@ class GatewayServer:
         """The most drafters a serving verifier is connected to."""
         return max((v.drafters for v in self.gateway.pool.views() if v.serving), default=0)
 
+    def member_info(self) -> dict:
+        """This gateway as a member of the stack (see membership.ControllerVerifiers)."""
+        host = self.gateway.config.host
+        return {"serving": self.ready, "endpoint": f"{host}:{self.port}",
+                "load": self.gateway.in_flight, "pid": os.getpid(), "error": None,
+                "metrics_url": f"{self.url}/metrics"}
+
     async def wait_ready(self, timeout_s: float, drafters: int = 0) -> bool:
         """Wait until a verifier serves (and is connected to `drafters` drafters)."""
         loop = asyncio.get_running_loop()
@@ -84,9 +89,11 @@ class GatewayServer:
 
     async def stop(self) -> None:
         self._server.should_exit = True
-        serve = self._tasks[2]
+        source = self._tasks[2]  # first: it leaves the membership
+        source.cancel()
+        await asyncio.gather(source, return_exceptions=True)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(serve), GRACEFUL_SHUTDOWN_S + 5)
+            await asyncio.wait_for(asyncio.shield(self._tasks[1]), GRACEFUL_SHUTDOWN_S + 5)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -95,6 +102,7 @@ class GatewayServer:
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening-ready TCP socket on host:port (OSError names the address)."""
+    sock = None
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
@@ -102,6 +110,8 @@ def bind(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
     except OSError as e:
+        if sock is not None:
+            sock.close()
         raise OSError(f"the gateway cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock
