@@ -1,0 +1,80 @@
+"""`chainspec gateway`: the OpenAI-compatible HTTP gateway alone, routed to the verifiers
+given with --verifier (repeat), or to the ready verifiers of the stack at --address
+(its controller's membership).
+
+For plain deployments (the gateway as its own pod) and debugging. Prints
+`gateway serving <url>` once it listens; SIGTERM or SIGINT stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+from pathlib import Path
+
+from chainspec.cluster.config import NAMESPACE
+from chainspec.commands.serve import read_api_key
+from chainspec.commands.server_args import add_token_args, read_token
+from chainspec.gateway.config import GatewayConfig
+from chainspec.gateway.membership import StaticVerifiers
+from chainspec.serving.config import mask_secrets
+
+
+def add_parser(sub) -> list[str]:
+    p = sub.add_parser("gateway", help="run the HTTP gateway alone",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--verifier", action="append", metavar="HOST:PORT",
+                        help="a verifier endpoint (repeat for several)")
+    source.add_argument("--address", help="Ray address of a running stack")
+    p.add_argument("--namespace", default=NAMESPACE, help="Ray namespace of the stack")
+    p.add_argument("--model", type=Path, help="model directory, for its chat template")
+    p.add_argument("--host", default=GatewayConfig.host)
+    p.add_argument("--port", type=int, default=GatewayConfig.port)
+    p.add_argument("--model-name", default="", help="model name clients send")
+    p.add_argument("--max-in-flight", type=int, default=GatewayConfig.max_in_flight)
+    p.add_argument("--api-key-file", type=Path, help="require this API key "
+                                                     "(default: $CHAINSPEC_API_KEY when set)")
+    add_token_args(p)
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the arguments, print them resolved, start nothing")
+    return ["gateway"]
+
+
+def resolve(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(host=args.host, port=args.port, api_key=read_api_key(args),
+                         model_name=args.model_name, max_in_flight=args.max_in_flight)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = resolve(args)
+    source = StaticVerifiers(args.verifier) if args.verifier else None
+    if args.dry_run:
+        print(json.dumps({"command": "gateway", "gateway": mask_secrets(config.to_dict()),
+                          "verifiers": args.verifier, "address": args.address,
+                          "namespace": args.namespace}, indent=2))
+        return 0
+    from chainspec.gateway.chat_template import ChatTemplate
+    from chainspec.gateway.server import GatewayServer
+    from chainspec.rpc.channel import ClientOptions
+    from chainspec.serving.runner import LoopThread
+
+    lost = threading.Event()
+    if source is None:
+        from chainspec.cluster import stack
+        from chainspec.gateway.membership import ControllerVerifiers
+        source = ControllerVerifiers(stack.connect(args.address, args.namespace), lost.set)
+    loop = LoopThread()
+    server = loop.run(GatewayServer.start(config, source, ChatTemplate.from_model_dir(args.model),
+                                          ClientOptions(auth_token=read_token(args))))
+    print(f"gateway serving {server.url}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not (stop.wait(0.5) or lost.is_set()):
+        pass
+    loop.run(server.stop(), timeout=30)
+    loop.close()
+    return 0

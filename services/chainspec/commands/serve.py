@@ -1,0 +1,152 @@
+"""`chainspec serve`: the whole stack -- a Ray controller, verifiers and drafters, and the
+OpenAI-compatible HTTP gateway -- in one command.
+
+By default on an embedded local Ray with the bundled demo model, one verifier and one
+drafter, the gateway on 127.0.0.1:8000. `--address` joins an existing Ray cluster,
+`--model` serves your model directory, `--config FILE` reads a YAML file (schema in
+docs/design.md, "Gateway and serve"); flags override the file. `chainspec status`,
+`scale` and `down` work against it from another shell (same --namespace). Ctrl-C, SIGTERM
+or `chainspec down` stops the gateway and then the stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from chainspec.commands.server_args import add_token_args, read_token
+from chainspec.engine.local import DTYPES
+from chainspec.serving.config import ServeConfig, merge, read_config_file
+
+API_KEY_ENV = "CHAINSPEC_API_KEY"
+
+# flag -> top-level config key
+_STACK_FLAGS = {"model": "model_dir", "k": "num_steps", "max_seqs": "max_seqs",
+                "max_len": "max_len", "dtype": "dtype", "namespace": "namespace",
+                "grpc_host": "host", "address": "address", "timeout": "start_timeout_s"}
+_ROLE_FLAGS = {"drafters": ("drafter", "replicas"), "verifiers": ("verifier", "replicas"),
+               "drafter_gpus": ("drafter", "num_gpus"), "verifier_gpus": ("verifier", "num_gpus")}
+_GATEWAY_FLAGS = {"host": "host", "port": "port", "model_name": "model_name",
+                  "max_in_flight": "max_in_flight"}
+
+
+def add_parser(sub) -> list[str]:
+    p = sub.add_parser("serve", help="the whole stack with the OpenAI-compatible HTTP API",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, help="serve config file (YAML or JSON)")
+    p.add_argument("--model", help="model directory (default: the bundled demo model)")
+    p.add_argument("--address", help="join the Ray cluster at this address "
+                                     "(default: an embedded local Ray)")
+    p.add_argument("--host", help="HTTP address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8000; 0: any free port)")
+    p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="K")
+    p.add_argument("--drafters", type=int, help="drafter actors (default 1)")
+    p.add_argument("--verifiers", type=int, help="verifier actors (default 1)")
+    p.add_argument("--max-seqs", type=int, help="sequence slots per verifier")
+    p.add_argument("--max-len", type=int, help="context length per slot")
+    p.add_argument("--dtype", choices=sorted(DTYPES))
+    p.add_argument("--drafter-gpus", type=float, help="GPUs per drafter (0: CPU)")
+    p.add_argument("--verifier-gpus", type=float, help="GPUs per verifier (0: CPU)")
+    p.add_argument("--namespace", help="Ray namespace of the stack (default chainspec)")
+    p.add_argument("--grpc-host", help="gRPC bind address of the services")
+    p.add_argument("--model-name", help="model name clients send (default: the directory's)")
+    p.add_argument("--max-in-flight", type=int, help="requests in flight, then 429")
+    p.add_argument("--api-key-file", type=Path,
+                   help=f"require this API key (default: ${API_KEY_ENV} when set)")
+    p.add_argument("--timeout", type=float, help="seconds to wait for the stack to be ready")
+    add_token_args(p)
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the config, print it resolved (secrets masked), start nothing")
+    return ["serve"]
+
+
+def resolve(args: argparse.Namespace) -> ServeConfig:
+    """The config file with the flags on top, validated (ValueError names the problem)."""
+    data = read_config_file(args.config) if args.config else {}
+    return ServeConfig.from_dict(merge(data, _overrides(args)))
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {key: getattr(args, flag) for flag, key in _STACK_FLAGS.items()
+                           if getattr(args, flag) is not None}
+    for flag, (role, key) in _ROLE_FLAGS.items():
+        if getattr(args, flag) is not None:
+            out.setdefault(role, {})[key] = getattr(args, flag)
+    gateway = {key: getattr(args, flag) for flag, key in _GATEWAY_FLAGS.items()
+               if getattr(args, flag) is not None}
+    api_key = read_api_key(args)
+    if api_key:
+        gateway["api_key"] = api_key
+    if gateway:
+        out["gateway"] = gateway
+    token = read_token(args)
+    if token:
+        out["auth_token"] = token
+    return out
+
+
+def read_api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file is not None:
+        key = args.api_key_file.read_text().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+        return key
+    return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
+def run(args: argparse.Namespace) -> int:
+    config = resolve(args)
+    if args.dry_run:
+        print(json.dumps({"command": "serve", "config": config.describe()}, indent=2))
+        return 0
+    from chainspec.cluster import stack
+    from chainspec.serving.progress import Progress
+    from chainspec.serving.runner import ServingStack
+
+    progress = Progress()
+    try:
+        serving = ServingStack.start(config, progress)
+    except (stack.StackError, TimeoutError, RuntimeError) as e:
+        print(f"chainspec serve: {e}", file=sys.stderr)
+        return 1
+    try:
+        print(usage_text(serving), flush=True)
+        why = _wait_for_stop(serving)
+        progress.step(f"{why}; stopping the gateway and the stack")
+    finally:
+        serving.stop()
+    progress.step("stopped")
+    return 0
+
+
+def usage_text(serving) -> str:
+    c, url = serving.config, serving.url
+    ns = "" if c.stack.namespace == "chainspec" else f" --namespace {c.stack.namespace}"
+    return "\n".join([
+        f"\nchainspec is serving {serving.model_name()!r} at {url} "
+        f"(OpenAI-compatible: base_url {url}/v1)",
+        f"  try:    {serving.curl_example()}",
+        f"  health: curl {url}/health",
+        f"  from another shell: chainspec status{ns} | chainspec scale drafters 2{ns} "
+        f"| chainspec down{ns}",
+        "  Ctrl-C stops it.\n"])
+
+
+def _wait_for_stop(serving) -> str:
+    stop, why = threading.Event(), ["stopped from elsewhere"]
+
+    def on_signal(signum, _frame) -> None:
+        why[0] = f"got {signal.Signals(signum).name}"
+        stop.set()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    while not stop.wait(0.5):
+        if serving.lost.is_set():
+            break
+    return why[0]
