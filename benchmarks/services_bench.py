@@ -8,10 +8,12 @@ Figures per batch size:
 - tokens/s of each mode (generated tokens / wall time; gRPC: measured at the client);
 - round_ms: engine step time (one verify round) -- in process from the engine loop, over
   gRPC from the verifier actor's own counters;
-- draft_wait_ms: how long a gRPC round waited for drafts (submit .. drafts in hand);
-- drafter_ms: the drafter's compute per round, measured in process;
-- wire_ms = round_ms(gRPC) - round_ms(in process): what crossing the wire adds to a round
-  (serialization both ways, transfer, the extra thread hops), and wire_share of the round;
+- draft_wait_ms: how long a gRPC round waited for drafts (collect start .. drafts in hand);
+- drafter_ms: the drafter's compute per round, in process and inside the drafter actor;
+- wire_ms = draft_wait - drafter compute (actor) + the verifier's request encode: what
+  the wire (serialization both ways, transfer, thread hops) costs a round; wire_share =
+  wire_ms / gRPC round_ms; extra_round_ms = round_ms(gRPC) - round_ms(in process), which
+  also holds process effects (GIL, scheduling) and machine noise;
 - codec_ms: serialization alone (encode + decode of the round's request and response),
   replayed offline on updates captured from the in-process run;
 - bytes_per_round: protobuf payload bytes sent + received by the verifier's draft pool.
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import threading
 import time
@@ -107,22 +110,26 @@ def run_local(models, opts: LocalOptions, prompts, max_tokens: int, speculative:
         out["drafter_ms"] = 1e3 * client.seconds / max(client.calls, 1)
         out["acceptance_length"] = merged_stats(result.completions,
                                                 opts.num_steps).acceptance_length
-        out["codec_ms"] = codec_ms(client.rounds, models.target.config, opts.num_steps)
+        out["encode_ms"], out["codec_ms"] = codec_ms(client.rounds, models.target.config,
+                                                     opts.num_steps)
     return out
 
 
-def codec_ms(rounds, cfg, k: int) -> float:
-    """Mean encode + decode time of one round's request and response."""
+def codec_ms(rounds, cfg, k: int) -> tuple[float, float]:
+    """Mean (verifier-side request encode, all four encodes/decodes) of one round, ms."""
     if not rounds:
-        return float("nan")
+        return float("nan"), float("nan")
     limits = DraftLimits(cfg.hidden_size, cfg.vocab_size, k)
-    t0 = time.perf_counter()
+    encode = total = 0.0
     for i, (updates, outcomes) in enumerate(rounds):
+        t0 = time.perf_counter()
         req = encode_draft_request(DraftBatch(i, tuple(updates)))
+        t1 = time.perf_counter()
         decode_draft_request(pb_parse(req), limits)
         resp = encode_draft_response(DraftReply(i, tuple(outcomes)))
         decode_draft_response(pb_parse(resp), limits)
-    return 1e3 * (time.perf_counter() - t0) / len(rounds)
+        encode, total = encode + t1 - t0, total + time.perf_counter() - t0
+    return 1e3 * encode / len(rounds), 1e3 * total / len(rounds)
 
 
 def pb_parse(msg):
@@ -133,7 +140,7 @@ def pb_parse(msg):
 # ------------------------------------------------------------------------- over gRPC
 
 
-def run_grpc(endpoint: str, verifier, prompts, max_tokens: int) -> dict:
+def run_grpc(endpoint: str, actors, prompts, max_tokens: int) -> dict:
     channel = grpc.insecure_channel(endpoint)
     stub = pb_grpc.VerifierStub(channel)
     results: list = [None] * len(prompts)
@@ -149,7 +156,7 @@ def run_grpc(endpoint: str, verifier, prompts, max_tokens: int) -> dict:
                 stats = msg.finished.stats
         results[i] = (tokens, stats)
     call(0)  # warm-up: channel, drafter stream
-    before = ray.get(verifier.stats.remote())
+    before = ray.get([a.stats.remote() for a in actors])
     threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
     t0 = time.perf_counter()
     for t in threads:
@@ -157,15 +164,16 @@ def run_grpc(endpoint: str, verifier, prompts, max_tokens: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    after = ray.get(verifier.stats.remote())
+    after = ray.get([a.stats.remote() for a in actors])
     channel.close()
-    d = {key: after[key] - before[key] for key in after}
+    d = {key: a[key] - b[key] for a, b in zip(after, before, strict=True) for key in a}
     steps = max(d["steps"], 1)
     stats = [s for _, s in results]
     rounds = sum(s.rounds - s.fallback_rounds for s in stats)
     return {"tokens_per_s": sum(len(t) for t, _ in results) / wall, "seconds": wall,
             "steps": d["steps"], "round_ms": 1e3 * d["step_s_total"] / steps,
-            "draft_wait_ms": 1e3 * d["wait_s_total"] / steps,
+            "draft_wait_ms": 1e3 * d["wait_s_total"] / max(d["rounds"], 1),
+            "drafter_remote_ms": 1e3 * d["update_s_total"] / max(d["updates"], 1),
             "bytes_per_round": (d["bytes_sent"] + d["bytes_received"]) / steps,
             "late_batches": d["late_batches"],
             "fallback_rounds": sum(s.fallback_rounds for s in stats),
@@ -174,11 +182,12 @@ def run_grpc(endpoint: str, verifier, prompts, max_tokens: int) -> dict:
 
 
 def start_stack(model: Path, k: int, max_seqs: int, max_len: int):
+    """A stack of one verifier and one drafter actor; returns (endpoint, [actors])."""
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR",
              log_to_driver=False)
     stack.up(StackConfig(model_dir=str(model), num_steps=k, max_seqs=max_seqs,
                          max_len=max_len, namespace=NS, health_interval_s=2.0))
-    verifier = ray.get_actor("chainspec-verifier-0", namespace=NS)
+    actors = [ray.get_actor(f"chainspec-{m}-0", namespace=NS) for m in ("verifier", "drafter")]
     endpoint = [m for m in stack.status(namespace=NS) if m["role"] == "verifier"][0]["endpoint"]
     deadline = time.monotonic() + 60
     channel = grpc.insecure_channel(endpoint)
@@ -187,14 +196,25 @@ def start_stack(model: Path, k: int, max_seqs: int, max_len: int):
             raise RuntimeError("the verifier never connected to the drafter")
         time.sleep(0.2)
     channel.close()
-    return endpoint, verifier
+    return endpoint, actors
 
 
 # ---------------------------------------------------------------------------- report
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Per-metric median over repeated runs (outputs from the first)."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
 def summarize(batch: int, plain: dict, local: dict, remote: dict) -> dict:
-    wire = remote["round_ms"] - local["round_ms"]
+    # NOTE: the draft wait holds transfer, both sides' codec but the verifier's encode,
+    # and the drafter's compute (measured in the drafter actor); the wire is the rest.
+    wire = remote["draft_wait_ms"] - remote["drafter_remote_ms"] + local["encode_ms"]
     return {
         "batch": batch,
         "plain_tok_s": plain["tokens_per_s"],
@@ -208,9 +228,11 @@ def summarize(batch: int, plain: dict, local: dict, remote: dict) -> dict:
         "local_round_ms": local["round_ms"],
         "grpc_round_ms": remote["round_ms"],
         "drafter_ms": local["drafter_ms"],
+        "drafter_remote_ms": remote["drafter_remote_ms"],
         "draft_wait_ms": remote["draft_wait_ms"],
         "wire_ms": wire,
         "wire_share": wire / remote["round_ms"],
+        "extra_round_ms": remote["round_ms"] - local["round_ms"],
         "codec_ms": local["codec_ms"],
         "bytes_per_round": remote["bytes_per_round"],
         "late_batches": remote["late_batches"],
@@ -223,10 +245,12 @@ def summarize(batch: int, plain: dict, local: dict, remote: dict) -> dict:
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# services_bench ({meta['model']})", "",
              f"{meta['host']}; torch threads {meta['threads']}; K={meta['k']}; "
-             f"{meta['max_tokens']} tokens per request; greedy.", "",
+             f"{meta['max_tokens']} tokens per request; greedy; median of {meta['repeats']} "
+             f"interleaved runs; load average at the end "
+             f"{', '.join(f'{x:.1f}' for x in meta['load_average'])}.", "",
              "| batch | plain tok/s | spec in-process tok/s | spec gRPC tok/s | gRPC speedup "
-             "| acc. len | round ms (plain / local / gRPC) | drafter ms | draft wait ms "
-             "| wire ms (share) | codec ms | bytes/round | lossless |",
+             "| acc. len | round ms (plain / local / gRPC) | drafter ms (local / actor) "
+             "| draft wait ms | wire ms (share) | codec ms | bytes/round | lossless |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
@@ -234,7 +258,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             f"({r['speedup_local']:.2f}x) | {r['spec_grpc_tok_s']:.1f} "
             f"| {r['speedup_grpc']:.2f}x | {r['acceptance_length_grpc']:.2f} "
             f"| {r['plain_round_ms']:.2f} / {r['local_round_ms']:.2f} / {r['grpc_round_ms']:.2f} "
-            f"| {r['drafter_ms']:.2f} | {r['draft_wait_ms']:.2f} "
+            f"| {r['drafter_ms']:.2f} / {r['drafter_remote_ms']:.2f} | {r['draft_wait_ms']:.2f} "
             f"| {r['wire_ms']:.2f} ({100 * r['wire_share']:.0f}%) | {r['codec_ms']:.2f} "
             f"| {r['bytes_per_round']:.0f} | {r['lossless_local'] and r['lossless_grpc']} |")
     return "\n".join(lines) + "\n"
@@ -248,6 +272,7 @@ def main(argv=None) -> int:
     p.add_argument("-k", type=int, default=3)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--threads", type=int, default=1, help="torch threads in this process")
+    p.add_argument("--repeats", type=int, default=3, help="runs per mode; medians reported")
     p.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -257,20 +282,26 @@ def main(argv=None) -> int:
     opts = LocalOptions(model_dir=args.model, num_steps=args.k, max_seqs=max(args.batch),
                         max_len=args.max_len)
     models = load_models(opts)
-    endpoint, verifier = start_stack(args.model, args.k, max(args.batch), args.max_len)
+    endpoint, actors = start_stack(args.model, args.k, max(args.batch), args.max_len)
     rows = []
     try:
         for batch in args.batch:
             batch_prompts = (prompts * batch)[:batch]
-            plain = run_local(models, opts, batch_prompts, args.max_tokens, False)
-            local = run_local(models, opts, batch_prompts, args.max_tokens, True)
-            remote = run_grpc(endpoint, verifier, batch_prompts, args.max_tokens)
-            rows.append(summarize(batch, plain, local, remote))
+            runs: dict[str, list[dict]] = {"plain": [], "local": [], "grpc": []}
+            for _ in range(args.repeats):  # interleaved, so load changes hit every mode
+                runs["plain"].append(run_local(models, opts, batch_prompts, args.max_tokens,
+                                               False))
+                runs["local"].append(run_local(models, opts, batch_prompts, args.max_tokens,
+                                               True))
+                runs["grpc"].append(run_grpc(endpoint, actors, batch_prompts,
+                                             args.max_tokens))
+            rows.append(summarize(batch, *(median_run(runs[m]) for m in runs)))
             print(json.dumps(rows[-1], indent=1), flush=True)
     finally:
         stack.down(namespace=NS)
         ray.shutdown()
     meta = {"model": str(args.model), "k": args.k, "max_tokens": args.max_tokens,
+            "repeats": args.repeats, "load_average": os.getloadavg(),
             "threads": args.threads, "host": f"{platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} CPUs, python {sys.version.split()[0]}, torch {torch.__version__}"}
     report = markdown(rows, meta)

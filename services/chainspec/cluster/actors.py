@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Any
 
 import ray
@@ -85,6 +86,22 @@ class _ServiceActor:
         await controller.register.remote(self.member_id, await self.ping())
 
 
+class TimedDrafterEngine(DrafterEngine):
+    """A DrafterEngine that counts its rounds and their compute time (benchmarks: the
+    drafter's share of a round's draft wait; the rest is the wire)."""
+
+    updates = 0
+    update_s_total = 0.0
+
+    def update(self, updates):
+        t0 = time.perf_counter()
+        try:
+            return super().update(updates)
+        finally:
+            self.updates += 1
+            self.update_s_total += time.perf_counter() - t0
+
+
 class DrafterActor(_ServiceActor):
     role = "drafter"
 
@@ -92,18 +109,24 @@ class DrafterActor(_ServiceActor):
     def load(self) -> int:
         return self.engine.load if self.server is not None else 0
 
+    async def stats(self) -> dict[str, float]:
+        """Cumulative draft rounds and their compute time."""
+        if self.server is None:
+            return {}
+        return {"updates": self.engine.updates, "update_s_total": self.engine.update_s_total}
+
     async def serve(self) -> Any:
         self.engine = await asyncio.to_thread(self._build_engine)
         return await serve_drafter(self.engine, self.server_options(),
                                    os.path.basename(self.config.model_dir))
 
-    def _build_engine(self) -> DrafterEngine:
+    def _build_engine(self) -> TimedDrafterEngine:
         opts = self.config.local_options(self.role)
         model = load_draft_model(opts.model_dir, DTYPES[opts.dtype], opts.device,
                                  cache_len=opts.max_len)
-        return DrafterEngine(model, DrafterConfig(num_steps=opts.num_steps, chain=opts.chain,
-                                                  max_seqs=self.config.drafter_max_seqs,
-                                                  max_len=opts.max_len))
+        return TimedDrafterEngine(model, DrafterConfig(
+            num_steps=opts.num_steps, chain=opts.chain, max_seqs=self.config.drafter_max_seqs,
+            max_len=opts.max_len))
 
 
 class VerifierActor(_ServiceActor):
