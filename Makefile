@@ -23,9 +23,9 @@ test: $(STAMP) lint
 lint: $(STAMP)
 	$(VENV)/bin/ruff check services tests benchmarks
 
-# System tools some tests drive (helm, promtool, prometheus); a no-op until they are needed.
+# System tools some tests drive (helm into ./.tools/bin; promtool, prometheus later).
 tools:
-	@true
+	bash deploy/install-tools.sh
 
 protos: $(STAMP)
 	$(PY) -m chainspec.rpc.build_protos
