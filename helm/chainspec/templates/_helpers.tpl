@@ -1,0 +1,183 @@
+{{/* Names. The RayCluster is named fullname; KubeRay caps it at 53 characters and
+suffixes services (-head-svc), so fullname stays at 40. */}}
+{{- define "chainspec.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "chainspec.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "chainspec.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "chainspec.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "chainspec.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels. Call with (dict "ctx" $ "component" "drafter"). */}}
+{{- define "chainspec.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "chainspec.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "chainspec.labels" -}}
+helm.sh/chart: {{ include "chainspec.chart" .ctx }}
+{{ include "chainspec.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: chainspec
+{{- end -}}
+
+{{/* Labels of objects that belong to the whole release (no component). */}}
+{{- define "chainspec.releaseLabels" -}}
+helm.sh/chart: {{ include "chainspec.chart" . }}
+app.kubernetes.io/name: {{ include "chainspec.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: chainspec
+{{- end -}}
+
+{{/* Every pod of this release (NetworkPolicy peers). */}}
+{{- define "chainspec.releasePodLabels" -}}
+app.kubernetes.io/name: {{ include "chainspec.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* image for a block with an optional `image` override: (dict "ctx" $ "block" .Values.x) */}}
+{{- define "chainspec.image" -}}
+{{- $img := .ctx.Values.image -}}
+{{- $own := .block.image | default dict -}}
+{{- $repo := $own.repository | default $img.repository -}}
+{{- $tag := $own.tag | default $img.tag | default .ctx.Chart.AppVersion -}}
+{{- printf "%s:%s" $repo $tag -}}
+{{- end -}}
+
+{{- define "chainspec.pullPolicy" -}}
+{{- $own := .block.image | default dict -}}
+{{- $own.pullPolicy | default .ctx.Values.image.pullPolicy -}}
+{{- end -}}
+
+{{/* The Ray address the gateway joins: Ray Client on KubeRay's head service. */}}
+{{- define "chainspec.rayAddress" -}}
+{{- printf "ray://%s-head-svc:%d" (include "chainspec.fullname" .) (int .Values.head.ports.client) -}}
+{{- end -}}
+
+{{/* The model directory inside the pods; "" = the image's bundled demo model. */}}
+{{- define "chainspec.modelDir" -}}
+{{- if ne .Values.model.source "bundled" -}}
+{{- if .Values.model.dir -}}
+{{- printf "%s/%s" (.Values.model.mountPath | trimSuffix "/") (.Values.model.dir | trimPrefix "/") -}}
+{{- else -}}
+{{- .Values.model.mountPath -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The model volume (none for the bundled model). */}}
+{{- define "chainspec.modelVolume" -}}
+{{- if eq .Values.model.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ required "model.pvc.claimName is required when model.source is pvc" .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else if eq .Values.model.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ required "model.hostPath.path is required when model.source is hostPath" .Values.model.hostPath.path }}
+    type: {{ .Values.model.hostPath.type }}
+{{- end }}
+{{- end -}}
+
+{{- define "chainspec.modelMount" -}}
+{{- if ne .Values.model.source "bundled" }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* TLS volumes/mounts for a pod: (dict "ctx" $ "server" bool "client" bool) */}}
+{{- define "chainspec.tlsVolumes" -}}
+{{- $tls := .ctx.Values.tls -}}
+{{- if $tls.enabled }}
+{{- if .server }}
+- name: tls-server
+  secret:
+    secretName: {{ required "tls.serverSecretName is required when tls.enabled" $tls.serverSecretName }}
+    defaultMode: 0440
+{{- end }}
+{{- if .client }}
+- name: tls-client
+  secret:
+    secretName: {{ required "tls.clientSecretName is required when tls.enabled" $tls.clientSecretName }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "chainspec.tlsMounts" -}}
+{{- $tls := .ctx.Values.tls -}}
+{{- if $tls.enabled }}
+{{- if .server }}
+- name: tls-server
+  mountPath: {{ $tls.mountPath }}/server
+  readOnly: true
+{{- end }}
+{{- if .client }}
+- name: tls-client
+  mountPath: {{ $tls.mountPath }}/client
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Number of GPUs a role's pod asks for (its actor takes them all). */}}
+{{- define "chainspec.gpus" -}}
+{{- $limits := (.resources | default dict).limits | default dict -}}
+{{- index $limits "nvidia.com/gpu" | default 0 -}}
+{{- end -}}
+
+{{/* KubeRay rayStartParams `resources`: a JSON map in double quotes, as ray start wants. */}}
+{{- define "chainspec.rayResources" -}}
+{{- printf "\"%s\"" (toJson . | replace "\"" "\\\"") -}}
+{{- end -}}
+
+{{/* Whether Ray's autoscaler runs (any role autoscaled). */}}
+{{- define "chainspec.autoscaling" -}}
+{{- if or .Values.drafter.autoscaling .Values.verifier.autoscaling -}}true{{- end -}}
+{{- end -}}
+
+{{/* A pod's volumes and a container's mounts: the model, TLS secrets and the block's
+extras. (dict "ctx" $ "block" .Values.x "server" bool "client" bool) */}}
+{{- define "chainspec.volumes" -}}
+{{- include "chainspec.modelVolume" .ctx -}}
+{{- include "chainspec.tlsVolumes" . -}}
+{{- with .block.extraVolumes }}
+{{ toYaml . }}
+{{- end -}}
+{{- end -}}
+
+{{- define "chainspec.volumeMounts" -}}
+{{- include "chainspec.modelMount" .ctx -}}
+{{- include "chainspec.tlsMounts" . -}}
+{{- with .block.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end -}}
+{{- end -}}
