@@ -76,11 +76,13 @@ class StaticDraftBuffers:
         seeds = [w.seed for w in windows] + [0] * (batch_size - len(windows))
         self.seed[:batch_size].copy_(torch.tensor(seeds))
 
-    def view(self, batch_size: int) -> DraftBatch:
+    def view(self, batch_size: int, kv_len: int | None = None) -> DraftBatch:
+        """Bucket `batch_size`'s prefix of every buffer. A captured graph reads all
+        `max_len` keys; an eager run may read only the `kv_len` the batch needs."""
         rows = batch_size * self.rows_per_seq
         attn = AttnBatch(self.positions[:rows], self.slot_mapping[:rows],
                          self.seq_slots[:batch_size], self.row_index[:batch_size],
-                         self.row_seq[:rows], self.row_offset[:rows], self.max_len)
+                         self.row_seq[:rows], self.row_offset[:rows], kv_len or self.max_len)
         return DraftBatch(attn, self.hidden[:rows], self.tokens[: batch_size * self.tok_stride],
                           self.row_tok[:rows], self.last_row[:batch_size],
                           self.last_tok[:batch_size], self.temperature[:batch_size],
@@ -144,7 +146,10 @@ class GraphRunner:
             graph.replay()
             self.replays += 1
         else:
-            out = self.step_fn(self.buffers.view(key.batch_size))
+            # NOTE: without a graph nothing pins the shapes, so attention reads only the
+            # keys this batch can see (on CPU that is most of a round's cost).
+            kv_len = max(w.first_pos + w.num_rows for w in windows)
+            out = self.step_fn(self.buffers.view(key.batch_size, kv_len))
             self.eager_runs += 1
         n = len(windows)
         # NOTE: copy out before the next replay overwrites the graph's output tensors.
