@@ -221,6 +221,14 @@ def test_external_gateway_joins_heartbeats_and_expires(up) -> None:
     assert members("gateway", state=None) == []
 
 
+def test_up_fails_with_the_reason_and_leaves_nothing(ray_cluster, tmp_path) -> None:
+    config = StackConfig(model_dir=str(tmp_path / "missing"), namespace="chainspec-bad")
+    with pytest.raises(stack.StackError, match="drafter-0=dead .*config.json not found"):
+        stack.up(config, timeout_s=60)
+    with pytest.raises(stack.StackNotFound):
+        stack.status(namespace="chainspec-bad")
+
+
 def cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
     """`chainspec ...` in a fresh process (finds the stack through the state file)."""
     return subprocess.run([sys.executable, "-m", "chainspec.cli", *args, "--namespace", NS],

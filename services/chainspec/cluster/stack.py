@@ -72,7 +72,10 @@ def up(config: StackConfig, address: str | None = None,
         max_restarts=-1, num_cpus=0).remote(config)
     try:
         members = ray.get(controller.wait_ready.remote(timeout_s))
-    except Exception:
+    except ray.exceptions.RayTaskError as e:  # a member failed to start, or timed out
+        _stop(controller)
+        raise StackError(f"the stack did not come up: {getattr(e, 'cause', e)}") from None
+    except BaseException:
         _stop(controller)
         raise
     state = StackState(ray.get_runtime_context().gcs_address, config.namespace,
