@@ -7,6 +7,10 @@ dropped client frees its verifier slot and drafter state; 32 concurrent streams.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -401,3 +405,33 @@ def test_32_concurrent_streams(stack, client, model_dir, plain) -> None:
     assert results == [plain[i % len(ids)] for i in range(32)]
     assert time.monotonic() - t0 < 240
     assert wait_until(lambda: idle(stack), 10)
+
+
+# ------------------------------------------------------------------ the gateway command
+
+
+def test_gateway_command_serves_and_stops_on_sigterm(stack, tmp_path, plain) -> None:
+    """`chainspec gateway --verifier ...` as its own process (how the Helm chart runs it,
+    there over a stack's membership): key from a file, answers, exits 0 on SIGTERM."""
+    key = tmp_path / "key"
+    key.write_text("sk-cmd\n")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chainspec.cli", "gateway", "--verifier",
+         stack.verifier.address, "--port", str(port), "--api-key-file", str(key)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == f"gateway serving http://127.0.0.1:{port}", line
+        url = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, 30)
+        r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer sk-cmd"},
+                       json={"prompt": "hello world", "max_tokens": TOKENS, "temperature": 0,
+                             "ignore_eos": True}, timeout=60)
+        assert r.json()["choices"][0]["text"] == plain[1]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
