@@ -1,0 +1,71 @@
+"""Finding the tools the chart tests drive: Helm 3 (on PATH or in ./.tools/bin, see
+`make tools`), the kubernetes-validate package and the upstream CRD schemas in
+../shared/crds. A missing one skips the test with the reason, or fails it under
+CHAINSPEC_REQUIRE_TOOLS=1 (CI), so a CI run can never pass by skipping everything."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "chainspec"
+CRD_DIR = REPO.parent / "shared" / "crds"
+REQUIRE_ENV = "CHAINSPEC_REQUIRE_TOOLS"
+
+
+def missing(what: str, how: str) -> NoReturn:
+    """Skip (or, under CHAINSPEC_REQUIRE_TOOLS=1, fail) for a tool that is not there."""
+    message = f"{what} is missing: {how}"
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{message} ({REQUIRE_ENV}=1 turns this skip into a failure)",
+                    pytrace=False)
+    pytest.skip(message)
+
+
+def helm() -> str:
+    """Path of a Helm 3 binary: PATH first, then ./.tools/bin."""
+    path = _find_helm()
+    if path is None:
+        missing("helm (Helm 3)", "run `make tools` to install it into .tools/bin")
+    return path
+
+
+@functools.cache
+def _find_helm() -> str | None:
+    for candidate in (shutil.which("helm"), REPO / ".tools" / "bin" / "helm"):
+        if candidate and Path(candidate).is_file() and _is_helm3(str(candidate)):
+            return str(candidate)
+    return None
+
+
+def _is_helm3(path: str) -> bool:
+    try:
+        out = subprocess.run([path, "version", "--short"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.startswith("v3.")
+
+
+def kubernetes_validate():
+    """The kubernetes_validate module."""
+    try:
+        import kubernetes_validate
+    except ImportError:
+        missing("kubernetes-validate", "install the test extra (pip install kubernetes-validate)")
+    return kubernetes_validate
+
+
+def crd_dir() -> Path:
+    """The folder with the upstream CRDs (never copied into the repo)."""
+    if not (CRD_DIR / "ray.io_rayclusters.yaml").is_file():
+        missing(f"the CRD schemas folder {CRD_DIR}",
+                "tests read upstream CRDs from ../shared/crds beside the repo")
+    return CRD_DIR
