@@ -23,7 +23,8 @@ CASES: dict[str, tuple[str, ...]] = {
         "--set", "drafter.grpc.probes=true", "--set", "verifier.grpc.probes=true",
         "--set", "model.source=pvc", "--set", "model.pvc.claimName=models",
         "--set", "model.dir=m", "--set", "auth.tokenSecret.name=tok",
-        "--set", "gateway.apiKey.existingSecret=key", "--set", "head.pdb.enabled=true",
+        "--set", "auth.tokenSecret.key=tk", "--set", "gateway.apiKey.existingSecret=key",
+        "--set", "gateway.apiKey.key=ak", "--set", "head.pdb.enabled=true",
         "--set", "monitoring.podMonitors.enabled=true",
         "--set", "monitoring.serviceMonitor.enabled=true"),
 }
