@@ -211,3 +211,34 @@ def test_sampled_output_is_reproducible_per_seed(pair) -> None:
     b = outputs(engine(target, draft, max_seqs=1), ps, 15, 0.8, [1, 2, 3])[0]
     c = outputs(engine(target, draft), ps, 15, 0.8, [4, 5, 6])[0]
     assert a == b != c
+
+
+class OutageClient(LocalDraftClient):
+    """The drafter refuses every sequence (UNAVAILABLE) until `outage` collects have passed,
+    as when the only drafter is down; then it serves again."""
+
+    def __init__(self, drafter: DrafterEngine, outage: int) -> None:
+        super().__init__(drafter)
+        self.outage = outage
+
+    def collect(self):
+        ready = super().collect()
+        if self.outage <= 0:
+            return ready
+        self.outage -= 1
+        for seq_id in ready:
+            self.engine.release([seq_id])
+        return {s: SeqFailure(s, ErrorCode.UNAVAILABLE, "no drafter") for s in ready}
+
+
+def test_speculation_resumes_after_a_drafter_outage(pair) -> None:
+    target, draft = pair
+    ps = prompts(3, seed=11)
+    reference = outputs(engine(target), ps, 60)[0]
+    drafter = DrafterEngine(draft, DrafterConfig(num_steps=3, max_seqs=8, max_len=256))
+    eng = engine(target, k=3, client=OutageClient(drafter, outage=5))
+    got, result = outputs(eng, ps, 60)
+    assert got == reference
+    stats = [c.stats for c in result.completions]
+    assert all(s.fallback_rounds > 0 for s in stats)  # the outage was felt
+    assert all(s.rounds > 3 for s in stats)  # and speculation came back for every request

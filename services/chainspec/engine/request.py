@@ -71,6 +71,8 @@ class Request:
         self.num_computed = 0  # positions < num_computed have target KV
         self.drafts: DraftResult | None = None  # proposals for the next verify
         self.drafter_synced = False  # the drafter holds this sequence's state
+        self.resync_at: int | None = None  # engine step to retry a refused sequence at
+        self.resync_backoff = 4
         self.finish_reason: FinishReason | None = None
         self.stop_string: str | None = None
         self.error: str | None = None

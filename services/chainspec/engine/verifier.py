@@ -28,6 +28,9 @@ from chainspec.models.attention import DenseCausal
 from chainspec.models.kv_cache import KVCache
 from chainspec.models.target import TargetModel
 
+# Steps to wait before retrying to give a sequence drafts after a drafter refused it.
+RESYNC_BACKOFF, MAX_RESYNC_BACKOFF = 4, 64
+
 
 @dataclass(frozen=True)
 class VerifierConfig:
@@ -69,6 +72,7 @@ class VerifierEngine:
         self.seq_ids: dict[str, int] = {}
         self._next_seq_id = 0
         self.resyncs = 0
+        self.steps = 0
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
@@ -111,6 +115,7 @@ class VerifierEngine:
     # -- one engine step ----------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        self.steps += 1
         self._collect_drafts()
         outputs = self._reap()
         self._admit()
@@ -145,10 +150,18 @@ class VerifierEngine:
                     continue  # stale: proposed for a round that is over
                 req.drafts = outcome
                 req.drafter_synced = True
+                req.resync_backoff = RESYNC_BACKOFF
             elif isinstance(outcome, SeqFailure):
                 req.drafts, req.drafter_synced = None, False
                 if outcome.code == ErrorCode.FAILED_PRECONDITION:
                     resync.append(self._resync_update(req))
+                else:  # no drafter could take it now: try again later, backing off
+                    req.resync_at = self.steps + req.resync_backoff
+                    req.resync_backoff = min(2 * req.resync_backoff, MAX_RESYNC_BACKOFF)
+        for req in self.running:
+            if req.resync_at is not None and req.resync_at <= self.steps and \
+                    not req.drafter_synced and not req.finished:
+                resync.append(self._resync_update(req))
         if resync:
             self.drafter.submit(resync)
             for upd in resync:
@@ -165,6 +178,7 @@ class VerifierEngine:
         hidden = self.model(ids, torch.arange(n, device=self.device),
                             DenseCausal(1, n, self.model.attention_scale))
         self.resyncs += 1
+        req.resync_at = None
         return SeqUpdate(self.seq_ids[req.request_id], 0, tuple(req.tokens[1:n + 1]),
                          hidden.float().cpu(), True, self._draft_sampling(req))
 
