@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv clean train-demo protos tools
+.PHONY: demo serve bench-services test lint venv clean train-demo protos tools
 
 venv: $(STAMP)
 
@@ -15,7 +15,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	RAY_AUTH_MODE=disabled $(VENV)/bin/chainspec generate --prompt "def fibonacci(n):" --max-tokens 64
+	RAY_AUTH_MODE=disabled $(PY) -m chainspec.demo
+
+serve: $(STAMP)
+	RAY_AUTH_MODE=disabled $(VENV)/bin/chainspec serve
+
+bench-services: $(STAMP)
+	RAY_AUTH_MODE=disabled $(PY) benchmarks/services_bench.py --out benchmarks/results/services_bench
 
 test: $(STAMP) lint
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q tests
