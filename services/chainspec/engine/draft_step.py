@@ -33,12 +33,20 @@ def draft_round(model: MTPDraftModel, cache: KVCache, batch: DraftBatch, num_ste
         tokens = batch.tokens[batch.row_tok + (step - 1)]  # [T]
         g = model.step(step, tokens, prev, positions, backend)  # [T, H]
         logits = model.logits(step, g[batch.last_row])  # [S, V]
-        draft_pos = batch.attn.positions[batch.last_row] + 1 + step  # [S]: where d'_k lands
-        noise = exponential_noise(batch.seed, NoiseStream.DRAFT, draft_pos, top_k)
-        token, support, prob = draft_topk(logits, batch.temperature, noise)
+        if batch.any_sampled:
+            draft_pos = batch.attn.positions[batch.last_row] + 1 + step  # [S]: d'_k's position
+            noise = exponential_noise(batch.seed, NoiseStream.DRAFT, draft_pos, top_k)
+            token, support, prob = draft_topk(logits, batch.temperature, noise)
+        else:  # all greedy: the top token, no distribution to report
+            token = logits.argmax(dim=-1)
+            support = prob = None
         batch.tokens.index_copy_(0, batch.last_tok + step, token)
         drafts.append(token)
         supports.append(support)
         probs.append(prob)
         prev = g if chain else batch.hidden
-    return DraftOutput(torch.stack(drafts, 1), torch.stack(supports, 1), torch.stack(probs, 1))
+    tokens = torch.stack(drafts, 1)  # [S, K]
+    if not batch.any_sampled:
+        empty = tokens.new_zeros(*tokens.shape, top_k)
+        return DraftOutput(tokens, empty, empty.float())
+    return DraftOutput(tokens, torch.stack(supports, 1), torch.stack(probs, 1))

@@ -63,18 +63,19 @@ def _decide(model: TargetModel, hidden: torch.Tensor, work: Sequence[Work],
     k = max(w.num_drafts for w in work)
     b = len(work)
     device = hidden.device
-    row_idx = torch.zeros(b, k + 1, dtype=torch.int64)
-    drafts = torch.zeros(b, k, dtype=torch.int64)
-    for i, (w, off) in enumerate(zip(work, offsets, strict=True)):
+    rows: list[int] = []
+    drafts_list: list[int] = []
+    for w, off in zip(work, offsets, strict=True):
         # VERIFY rows are x[N], d1..dk: logits of row i judge draft i+1; the last prompt
-        # chunk decides from its last row.
+        # chunk decides from its last row. Padding repeats the item's last row.
         first = off if w.kind is WorkKind.VERIFY else off + w.num_rows - 1
-        row_idx[i] = torch.arange(first, first + k + 1).clamp(max=first + w.num_drafts)
-        if w.num_drafts:
-            drafts[i, : w.num_drafts] = torch.tensor(w.tokens[1:], dtype=torch.int64)
+        rows.extend(first + min(i, w.num_drafts) for i in range(k + 1))
+        drafts_list.extend(w.tokens[1:1 + w.num_drafts] if w.num_drafts else ())
+        drafts_list.extend([0] * (k - w.num_drafts))
+    row_idx = torch.tensor(rows, device=device)
+    drafts = torch.tensor(drafts_list, dtype=torch.int64, device=device).view(b, k)
     num_drafts = torch.tensor([w.num_drafts for w in work], device=device)
-    logits = model.logits(hidden[row_idx.to(device).view(-1)]).view(b, k + 1, -1)
-    drafts = drafts.to(device)
+    logits = model.logits(hidden[row_idx]).view(b, k + 1, -1)
     params = [w.request.sampling for w in work]
     if all(p.greedy for p in params):
         accepted, nxt = accept_greedy(logits, drafts, num_drafts)
