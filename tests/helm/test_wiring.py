@@ -76,6 +76,8 @@ def test_stack_config_fits_the_worker_groups(case, booted):
             "each pod offers exactly what one actor asks for"
         assert ray_resources(head)[rc["resource"]] < rc["resource_amount"], \
             "the head declares the role resource but can never host the role"
+        amounts = [*ray_resources(group).values(), *ray_resources(head).values()]
+        assert all(float(a).is_integer() for a in amounts), "Ray refuses fractional nodes"
         limits = group["template"]["spec"]["containers"][0]["resources"].get("limits", {})
         assert rc["num_gpus"] == int(limits.get("nvidia.com/gpu", 0))
         assert rc["replicas"] <= group["minReplicas"], "`up` waits only for pods that exist"

@@ -159,6 +159,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "\"%s\"" (toJson . | replace "\"" "\\\"") -}}
 {{- end -}}
 
+{{/* Units of its role's Ray resource that one drafter/verifier actor asks for. A worker
+pod offers exactly this (one actor per pod); the head offers one unit less, so the
+cluster always declares the resource -- the controller asks for it only then
+(cluster/controller.py role_resources) -- yet can never place a role on the head.
+Ray wants whole numbers for node resources, hence 2 and 1 rather than 1 and 0.001. */}}
+{{- define "chainspec.actorUnits" -}}2{{- end -}}
+
 {{/* Whether Ray's autoscaler runs (any role autoscaled). */}}
 {{- define "chainspec.autoscaling" -}}
 {{- if or .Values.drafter.autoscaling .Values.verifier.autoscaling -}}true{{- end -}}

@@ -27,7 +27,7 @@ their value blocks mean the same thing. Call with (dict "ctx" $ "role" "drafter"
   idleTimeoutSeconds: {{ $v.idleTimeoutSeconds }}
   {{- end }}
   rayStartParams:
-    resources: {{ include "chainspec.rayResources" (dict $v.rayResource 1) | squote }}
+    resources: {{ include "chainspec.rayResources" (dict $v.rayResource (include "chainspec.actorUnits" $ | int)) | squote }}
   template:
     metadata:
       labels:
