@@ -11,19 +11,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from chainspec.commands.model_args import add_model_args, local_options
+from chainspec.commands.server_args import add_server_args, jsonable, server_options
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from chainspec.engine.local import DTYPES, LocalOptions
 from chainspec.models.loader import load_draft_model
 from chainspec.rpc.drafter_service import serve_drafter
 from chainspec.rpc.server import ServerOptions
-
-TOKEN_ENV = "CHAINSPEC_AUTH_TOKEN"  # read when set and neither token flag is given
 
 
 @dataclass(frozen=True)
@@ -37,12 +35,8 @@ class DrafterCommand:
 
     def describe(self) -> dict:
         """The resolved config as JSON-able values; the token is never printed."""
-        server = {k: (str(v) if isinstance(v, Path) else v)
-                  for k, v in asdict(self.server).items()}
-        server["auth_token"] = "<set>" if self.server.auth_token else None
-        local = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.local).items()}
-        return {"model_name": self.model_name, "model": local,
-                "drafter": asdict(self.drafter), "server": server}
+        return jsonable({"model_name": self.model_name, "model": asdict(self.local),
+                         "drafter": asdict(self.drafter), "server": asdict(self.server)})
 
 
 def add_parser(sub) -> list[str]:
@@ -54,20 +48,7 @@ def add_parser(sub) -> list[str]:
     p.add_argument("--draft-top-k", type=int, default=DrafterConfig.top_k,
                    help="largest support of sampled draft distributions")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--host", default=ServerOptions.host, help="address to listen on")
-    p.add_argument("--port", type=int, default=ServerOptions.port, help="0: any free port")
-    p.add_argument("--max-message-bytes", type=int, default=ServerOptions.max_message_bytes)
-    p.add_argument("--drain-grace", type=float, default=ServerOptions.drain_grace_s,
-                   help="seconds open streams get to finish when draining")
-    p.add_argument("--tls-cert", type=Path, help="server certificate (PEM)")
-    p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
-    p.add_argument("--tls-client-ca", type=Path,
-                   help="CA for client certificates: set to require them (mTLS)")
-    token = p.add_mutually_exclusive_group()
-    token.add_argument("--token-file", type=Path, help="file holding the shared token")
-    token.add_argument("--token-env", metavar="NAME",
-                       help=f"environment variable holding the shared token "
-                            f"(default: {TOKEN_ENV} when set)")
+    add_server_args(p)
     p.add_argument("--dry-run", action="store_true",
                    help="validate the arguments, print the resolved config, load nothing")
     return ["drafter"]
@@ -79,27 +60,9 @@ def resolve(args: argparse.Namespace) -> DrafterCommand:
     drafter = DrafterConfig(num_steps=local.num_steps, chain=local.chain,
                             max_seqs=local.max_seqs, max_len=local.max_len,
                             top_k=args.draft_top_k, use_graphs=not args.eager)
-    server = ServerOptions(host=args.host, port=args.port,
-                           max_message_bytes=args.max_message_bytes,
-                           tls_cert=args.tls_cert, tls_key=args.tls_key,
-                           tls_client_ca=args.tls_client_ca, auth_token=_token(args),
-                           drain_grace_s=args.drain_grace)
+    server = server_options(args)
     name = args.model_name or Path(local.model_dir).resolve().name
     return DrafterCommand(local, drafter, server, name)
-
-
-def _token(args: argparse.Namespace) -> str | None:
-    if args.token_file is not None:
-        token = args.token_file.read_text().strip()
-        if not token:
-            raise ValueError(f"--token-file {args.token_file} is empty")
-        return token
-    if args.token_env is not None:
-        token = os.environ.get(args.token_env, "").strip()
-        if not token:
-            raise ValueError(f"--token-env: ${args.token_env} is unset or empty")
-        return token
-    return os.environ.get(TOKEN_ENV, "").strip() or None
 
 
 def run(args: argparse.Namespace) -> int:
