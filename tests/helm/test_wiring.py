@@ -223,9 +223,13 @@ def test_services_and_budgets_select_their_pods(case, booted):
         assert _components({"matchLabels": svc["spec"]["selector"]}, docs) == {"gateway"}
     for dep in of_kind(docs, "Deployment"):
         assert selects(dep["spec"]["selector"], dep["spec"]["template"]["metadata"]["labels"])
+    ray = {pt.labels["app.kubernetes.io/component"] for pt in pod_templates(docs) if pt.ray}
     for pdb in of_kind(docs, "PodDisruptionBudget"):
         component = pdb["metadata"]["labels"]["app.kubernetes.io/component"]
         assert _components(pdb["spec"]["selector"], docs) == {component}
+        if component in ray:  # no scale subresource on a RayCluster: integer minAvailable
+            assert set(pdb["spec"]) == {"selector", "minAvailable"}
+            assert isinstance(pdb["spec"]["minAvailable"], int), component
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)
