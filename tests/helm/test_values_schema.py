@@ -60,6 +60,9 @@ def test_lint_fails_on_bad_values(tmp_path):
 
 def test_replicas_outside_min_max_are_refused():
     assert "minReplicas <= replicas <= maxReplicas" in refused("--set", "drafter.replicas=9")
+    autoscaled = ("--set", "drafter.autoscaling=true")
+    assert "minReplicas <= maxReplicas" in refused(*autoscaled, "--set", "drafter.minReplicas=9")
+    template(*autoscaled, "--set", "drafter.replicas=9")  # ignored under the autoscaler
 
 
 def test_grpc_probes_and_tls_are_refused_together():

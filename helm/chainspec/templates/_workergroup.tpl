@@ -4,8 +4,15 @@ their value blocks mean the same thing. Call with (dict "ctx" $ "role" "drafter"
 {{- $ := .ctx -}}
 {{- $role := .role -}}
 {{- $v := index $.Values $role -}}
-{{- if not (and (le (int $v.minReplicas) (int $v.replicas)) (le (int $v.replicas) (int $v.maxReplicas))) -}}
-{{- fail (printf "%s: need minReplicas <= replicas <= maxReplicas, got %d <= %d <= %d" $role (int $v.minReplicas) (int $v.replicas) (int $v.maxReplicas)) -}}
+{{- $lo := int $v.minReplicas -}}
+{{- $n := int $v.replicas -}}
+{{- $hi := int $v.maxReplicas -}}
+{{- if $v.autoscaling -}}
+{{- if gt $lo $hi -}}
+{{- fail (printf "%s: need minReplicas <= maxReplicas, got %d > %d" $role $lo $hi) -}}
+{{- end -}}
+{{- else if not (and (le $lo $n) (le $n $hi)) -}}
+{{- fail (printf "%s: need minReplicas <= replicas <= maxReplicas, got %d <= %d <= %d" $role $lo $n $hi) -}}
 {{- end -}}
 {{- if and $v.grpc.probes $.Values.tls.enabled -}}
 {{- fail (printf "%s.grpc.probes needs plaintext gRPC: kubelet's gRPC probe cannot speak TLS (tls.enabled)" $role) -}}
