@@ -157,10 +157,8 @@ def test_grpc_probes_only_on_worker_grpc_ports(case, booted):
             assert probe["grpc"]["port"] == ports(c)["grpc"], role
 
 
-@pytest.mark.xfail(strict=True, reason="Ray-hosted drafters/verifiers bind an ephemeral "
-                   "gRPC port: the stack config has no per-role port for the chart to pin")
 def test_grpc_probe_port_is_the_port_the_service_opens(booted):
-    b = booted("grpc-probes-pvc-secrets")
+    b = booted("default")
     config = b.of("up")[0].resolved["config"]
     for role in ROLES:
         c = worker_group(b.docs, role)["template"]["spec"]["containers"][0]
@@ -179,11 +177,6 @@ def test_role_metrics_port_is_the_port_the_service_opens(booted):
 
 # Tripwires: they XPASS (and so fail) once the cluster config can pin the ports; then
 # the chart passes them in stack.yaml and turns grpc.probes on by default.
-@pytest.mark.xfail(strict=True, reason="RoleConfig has no gRPC port yet")
-def test_tripwire_cluster_config_can_pin_a_grpc_port():
-    assert {"port", "grpc_port"} & {f.name for f in dataclasses.fields(RoleConfig)}
-
-
 @pytest.mark.xfail(strict=True, reason="the stack config has no metrics port yet")
 def test_tripwire_cluster_config_has_a_metrics_port():
     names = {f.name for cls in (RoleConfig, StackConfig) for f in dataclasses.fields(cls)}

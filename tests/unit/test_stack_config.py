@@ -25,10 +25,27 @@ def test_from_dict_round_trip_and_unknown_keys() -> None:
     ({"num_steps": 0}, "num_steps"), ({"dtype": "int4"}, "dtype"),
     ({"drafter": {"replicas": -1}}, "replicas"), ({"health_timeout_s": 0}, "timings"),
     ({"verifier": {"max_restarts": -2}}, "max_restarts"), ({"namespace": ""}, "namespace"),
+    ({"drafter": {"port": 70000}}, "port"), ({"tls_ca": "/ca.crt"}, "mTLS needs all"),
 ])
 def test_invalid_config_is_refused(bad, match) -> None:
     with pytest.raises(ValueError, match=match):
         StackConfig.from_dict(bad)
+
+
+def test_ports_and_mtls_reach_servers_and_clients() -> None:
+    tls = {"tls_ca": "/t/ca.crt", "tls_server_cert": "/t/s.crt", "tls_server_key": "/t/s.key",
+           "tls_client_cert": "/t/c.crt", "tls_client_key": "/t/c.key"}
+    cfg = StackConfig.from_dict({"drafter": {"port": 50051}, "auth_token": "x", **tls})
+    server = cfg.server_options("drafter", 5.0)
+    assert (server.port, server.drain_grace_s, server.auth_token) == (50051, 5.0, "x")
+    assert (str(server.tls_cert), str(server.tls_key), str(server.tls_client_ca)) == (
+        "/t/s.crt", "/t/s.key", "/t/ca.crt")
+    assert cfg.server_options("verifier", 5.0).port == 0
+    client = cfg.client_options()
+    assert (str(client.tls_cert), str(client.tls_key), str(client.tls_ca), client.auth_token) \
+        == ("/t/c.crt", "/t/c.key", "/t/ca.crt", "x")
+    plain = StackConfig().client_options()
+    assert plain.tls_ca is None and plain.tls_cert is None
 
 
 def test_roles_resources_and_devices() -> None:

@@ -22,7 +22,6 @@ from chainspec.cluster.config import CONTROLLER_NAME, StackConfig
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from chainspec.engine.local import DTYPES
 from chainspec.models.loader import load_draft_model
-from chainspec.rpc.channel import ClientOptions
 from chainspec.rpc.drafter_service import serve_drafter
 from chainspec.rpc.server import ServerOptions
 from chainspec.rpc.verifier_service import VerifierOptions, serve_verifier
@@ -70,8 +69,7 @@ class _ServiceActor:
         raise NotImplementedError
 
     def server_options(self) -> ServerOptions:
-        return ServerOptions(host=self.config.host, auth_token=self.config.auth_token,
-                             drain_grace_s=self.config.drain_timeout_s)
+        return self.config.server_options(self.role, self.config.drain_timeout_s)
 
     async def serve(self) -> Any:
         raise NotImplementedError
@@ -141,7 +139,7 @@ class VerifierActor(_ServiceActor):
         opts = VerifierOptions(model=c.local_options(self.role), max_waiting=c.max_waiting,
                                draft_deadline_s=c.draft_deadline_s)
         server = await serve_verifier(opts, self.server_options(),
-                                      client=ClientOptions(auth_token=c.auth_token))
+                                      client=c.client_options())
         self._watch = asyncio.get_running_loop().create_task(self._follow_drafters(server))
         return server
 

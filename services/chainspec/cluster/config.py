@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from chainspec.engine.local import DEMO_MODEL, LocalOptions
+from chainspec.rpc.channel import ClientOptions
+from chainspec.rpc.server import ServerOptions
 
 ROLES = ("drafter", "verifier")  # what the controller starts and scales
 MEMBER_ROLES = (*ROLES, "gateway")  # gateways run outside and join
@@ -32,10 +34,14 @@ class RoleConfig:
     max_restarts: int = -1  # -1: Ray restarts a crashed actor forever
     resource: str = ""  # "" -> chainspec_<role>
     resource_amount: float = 0.001
+    port: int = 0  # gRPC port of each actor; 0 = any free port. A fixed port allows one
+    #                actor of the role per node (Kubernetes: one per pod, so probes work).
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.num_gpus < 0 or self.num_cpus < 0 or self.resource_amount <= 0:
             raise ValueError("num_gpus and num_cpus must be >= 0, resource_amount > 0")
         if self.max_restarts < -1:
@@ -60,6 +66,14 @@ class StackConfig:
     host: str = "127.0.0.1"  # gRPC bind address; 0.0.0.0 advertises the node's IP
     namespace: str = NAMESPACE
     auth_token: str | None = None  # shared service-to-service token
+    # mTLS between services (paths as seen inside every actor): servers present the
+    # server pair and require client certificates signed by tls_ca; clients (verifiers
+    # calling drafters) present the client pair and check servers against tls_ca.
+    tls_ca: str | None = None
+    tls_server_cert: str | None = None
+    tls_server_key: str | None = None
+    tls_client_cert: str | None = None
+    tls_client_key: str | None = None
     health_interval_s: float = 1.0
     health_timeout_s: float = 5.0  # a member that does not answer a ping in time is dead
     drain_timeout_s: float = 30.0  # longest wait for a draining member's load to reach 0
@@ -78,6 +92,25 @@ class StackConfig:
             raise ValueError("health, drain and draft timings must be > 0")
         if not self.namespace or not self.host:
             raise ValueError("namespace and host must not be empty")
+        tls = (self.tls_ca, self.tls_server_cert, self.tls_server_key, self.tls_client_cert,
+               self.tls_client_key)
+        if any(tls) and not all(tls):
+            raise ValueError("mTLS needs all of tls_ca, tls_server_cert, tls_server_key, "
+                             "tls_client_cert and tls_client_key (or none of them)")
+
+    def server_options(self, role: str, drain_grace_s: float) -> ServerOptions:
+        """How an actor of `role` serves gRPC."""
+        return ServerOptions(host=self.host, port=self.role(role).port,
+                             auth_token=self.auth_token, drain_grace_s=drain_grace_s,
+                             tls_cert=_path(self.tls_server_cert),
+                             tls_key=_path(self.tls_server_key),
+                             tls_client_ca=_path(self.tls_ca))
+
+    def client_options(self) -> ClientOptions:
+        """How services call each other (verifier -> drafter, gateway -> verifier)."""
+        return ClientOptions(auth_token=self.auth_token, tls_ca=_path(self.tls_ca),
+                             tls_cert=_path(self.tls_client_cert),
+                             tls_key=_path(self.tls_client_key))
 
     def role(self, role: str) -> RoleConfig:
         if role not in ROLES:
@@ -102,6 +135,10 @@ class StackConfig:
             if role in data:
                 data[role] = _build(RoleConfig, data[role], role)
         return _build(cls, data, "config")
+
+
+def _path(value: str | None) -> Path | None:
+    return Path(value) if value else None
 
 
 def _build(cls, data: Any, where: str):

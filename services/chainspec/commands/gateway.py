@@ -38,6 +38,9 @@ def add_parser(sub) -> list[str]:
     p.add_argument("--api-key-file", type=Path, help="require this API key "
                                                      "(default: $CHAINSPEC_API_KEY when set)")
     add_token_args(p)
+    p.add_argument("--tls-ca", type=Path, help="CA that verifier certificates must chain to")
+    p.add_argument("--tls-cert", type=Path, help="client certificate for mTLS (PEM)")
+    p.add_argument("--tls-key", type=Path, help="client private key for mTLS (PEM)")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the arguments, print them resolved, start nothing")
     return ["gateway"]
@@ -54,7 +57,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(json.dumps({"command": "gateway", "gateway": mask_secrets(config.to_dict()),
                           "verifiers": args.verifier, "address": args.address,
-                          "namespace": args.namespace}, indent=2))
+                          "namespace": args.namespace,
+                          "tls": {k: str(v) if v else None for k, v in (
+                              ("ca", args.tls_ca), ("cert", args.tls_cert),
+                              ("key", args.tls_key))}}, indent=2))
         return 0
     from chainspec.gateway.chat_template import ChatTemplate
     from chainspec.gateway.server import GatewayServer
@@ -68,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
         source = ControllerVerifiers(stack.connect(args.address, args.namespace), lost.set)
     loop = LoopThread()
     server = loop.run(GatewayServer.start(config, source, ChatTemplate.from_model_dir(args.model),
-                                          ClientOptions(auth_token=read_token(args))))
+                                          ClientOptions(auth_token=read_token(args),
+                                                        tls_ca=args.tls_ca,
+                                                        tls_cert=args.tls_cert,
+                                                        tls_key=args.tls_key)))
     print(f"gateway serving {server.url}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -20,7 +20,6 @@ from chainspec.cluster import stack
 from chainspec.gateway.chat_template import ChatTemplate
 from chainspec.gateway.membership import ControllerVerifiers
 from chainspec.gateway.server import GatewayServer
-from chainspec.rpc.channel import ClientOptions
 from chainspec.serving.config import ServeConfig
 from chainspec.serving.progress import Progress
 
@@ -87,7 +86,7 @@ class ServingStack:
             if Path(c.stack.model_dir).is_dir() else ChatTemplate()
         source = ControllerVerifiers(controller, on_lost=self.lost.set)
         self.gateway = self.loop.run(GatewayServer.start(
-            c.gateway, source, chat, ClientOptions(auth_token=c.stack.auth_token)))
+            c.gateway, source, chat, c.stack.client_options()))
         want = 1 if c.stack.drafter.replicas > 0 else 0
         progress.step(f"gateway listening on {self.url}; waiting for a verifier to serve"
                       + (" with its drafters connected" if want else ""))
