@@ -79,10 +79,11 @@ class AsyncVerifier:
         the iteration early (client gone, cancellation) aborts the request in the engine.
         """
         request_id = request_id or uuid.uuid4().hex
+        arrival = time.perf_counter()  # TTFT and queue time count from here
         stream = self._open(request_id)
         try:
             await self.call(lambda: self.engine.add_request(request_id, prompt_ids,
-                                                            sampling, stop))
+                                                            sampling, stop, arrival))
         except BaseException as e:
             self._streams.pop(request_id, None)
             if not isinstance(e, ValueError) and self.alive:  # cancelled while queued

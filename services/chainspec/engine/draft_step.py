@@ -9,6 +9,7 @@ import torch
 
 from chainspec.engine.draft_batch import DraftBatch
 from chainspec.engine.sampling import NoiseStream, draft_topk, exponential_noise
+from chainspec.engine.step_clock import StepClock
 from chainspec.models.attention import PagedAttention
 from chainspec.models.kv_cache import KVCache
 from chainspec.models.mtp import MTPDraftModel
@@ -22,9 +23,12 @@ class DraftOutput:
 
 
 def draft_round(model: MTPDraftModel, cache: KVCache, batch: DraftBatch, num_steps: int,
-                chain: bool, top_k: int) -> DraftOutput:
+                chain: bool, top_k: int, clock: StepClock | None = None) -> DraftOutput:
     """Run steps 1..K. Step k reads tokens[row_tok + k - 1] and g[k-1] (chain) or h, and
-    writes its draft at tokens[last_tok + k] for step k+1 to read."""
+    writes its draft at tokens[last_tok + k] for step k+1 to read. `clock` (never while
+    capturing a graph) is marked before the first step and after each."""
+    if clock is not None:
+        clock.mark()
     backend = PagedAttention(cache, batch.attn, model.config.head_dim ** -0.5)
     positions = batch.attn.positions
     prev = batch.hidden  # [T, H]: g[0] = h
@@ -45,6 +49,8 @@ def draft_round(model: MTPDraftModel, cache: KVCache, batch: DraftBatch, num_ste
         supports.append(support)
         probs.append(prob)
         prev = g if chain else batch.hidden
+        if clock is not None:
+            clock.mark()
     tokens = torch.stack(drafts, 1)  # [S, K]
     if not batch.any_sampled:
         empty = tokens.new_zeros(*tokens.shape, top_k)

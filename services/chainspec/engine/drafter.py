@@ -7,6 +7,7 @@ entry that survives a round was computed from committed tokens only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from chainspec.engine.draft_batch import Window, build_compact
 from chainspec.engine.draft_step import DraftOutput, draft_round
 from chainspec.engine.draft_types import DraftResult, ErrorCode, SeqFailure, SeqOutcome, SeqUpdate
 from chainspec.engine.graph_runner import GraphRunner, StaticDraftBuffers, default_buckets
+from chainspec.engine.observer import DrafterObserver, DraftRoundRecord
+from chainspec.engine.step_clock import StepClock
 from chainspec.models.kv_cache import KVCache
 from chainspec.models.mtp import MTPDraftModel
 
@@ -51,9 +54,12 @@ class _SeqState:
 class DrafterEngine:
     """`update(batch of SeqUpdate) -> list of DraftResult | SeqFailure`, one per update."""
 
-    def __init__(self, model: MTPDraftModel, config: DrafterConfig) -> None:
+    def __init__(self, model: MTPDraftModel, config: DrafterConfig,
+                 observer: DrafterObserver | None = None) -> None:
         self.model = model.eval()
         self.config = config
+        self.observer = observer  # metrics: told about every update (host values only)
+        self._clock: StepClock | None = None  # times this round's steps (observer only)
         self.vocab_size = model.config.vocab_size
         self.hidden_size = model.config.hidden_size
         param = next(model.parameters())
@@ -72,7 +78,9 @@ class DrafterEngine:
 
     def _round(self, batch) -> DraftOutput:
         c = self.config
-        return draft_round(self.model, self.cache, batch, c.num_steps, c.chain, c.top_k)
+        # NOTE: _clock is None while capturing (in __init__): a graph records no marks
+        return draft_round(self.model, self.cache, batch, c.num_steps, c.chain, c.top_k,
+                           self._clock)
 
     @property
     def load(self) -> int:
@@ -83,10 +91,13 @@ class DrafterEngine:
             state = self.seqs.pop(seq_id, None)
             if state is not None:
                 self.free_slots.append(state.slot)
+        if self.observer is not None:
+            self._observe_occupancy()
 
     @torch.inference_mode()
     def update(self, updates: Sequence[SeqUpdate]) -> list[SeqOutcome]:
         """Apply updates and draft. Bad updates fail alone; the others proceed."""
+        started = time.perf_counter()
         outcomes: list[SeqOutcome | None] = [None] * len(updates)
         accepted: list[tuple[int, SeqUpdate, Window]] = []
         seen: set[int] = set()
@@ -99,12 +110,32 @@ class DrafterEngine:
                 continue
             seen.add(upd.seq_id)
             accepted.append((i, upd, window))
+        windows = [w for _, _, w in accepted]
+        self._clock = StepClock(self.device) if self.observer is not None else None
+        eager_reason = None
         if accepted:
-            out = self._run([w for _, _, w in accepted])
+            out, eager_reason = self._run(windows)
             for row, (i, upd, window) in enumerate(accepted):
                 self._commit(upd, window)
                 outcomes[i] = self._result(upd, out, row)
+        if self.observer is not None:
+            self._observe(started, windows, eager_reason, outcomes)
         return outcomes  # type: ignore[return-value]
+
+    def _observe(self, started: float, windows: list[Window], eager_reason: str | None,
+                 outcomes: list[SeqOutcome]) -> None:
+        refused = sum(isinstance(o, SeqFailure) and o.code == ErrorCode.FAILED_PRECONDITION
+                      for o in outcomes)
+        self.observer.update_done(DraftRoundRecord(
+            time.perf_counter() - started, [w.num_rows for w in windows],
+            bool(windows) and eager_reason is None, eager_reason, self._clock.durations(),
+            refused))
+        self._observe_occupancy()
+
+    def _observe_occupancy(self) -> None:
+        rows = sum(s.next_start for s in self.seqs.values())
+        self.observer.occupancy(len(self.seqs), rows / (self.config.max_seqs *
+                                                        self.config.max_len))
 
     def _check(self, upd: SeqUpdate, seen: set[int]) -> SeqFailure | None:
         def bad(msg: str) -> SeqFailure:
@@ -152,12 +183,17 @@ class DrafterEngine:
         return Window(state.slot, upd.start - m, hidden, tokens, upd.sampling.temperature,
                       state.seed), None
 
-    def _run(self, windows: list[Window]) -> DraftOutput:
+    def _run(self, windows: list[Window]) -> tuple[DraftOutput, str | None]:
+        """The round's drafts, and why it ran eagerly (None: a CUDA graph replayed)."""
         if self.runner.fits(windows):
-            return self.runner.run(windows)
+            replays = self.runner.replays
+            out = self.runner.run(windows)
+            return out, None if self.runner.replays > replays else "no_graph"
         self.runner.eager_runs += 1
+        reason = "batch_too_large" if len(windows) > self.runner.max_batch \
+            else "window_too_large"
         return self._round(build_compact(windows, self.config.num_steps, self.device,
-                                         self.dtype))
+                                         self.dtype)), reason
 
     def _commit(self, upd: SeqUpdate, window: Window) -> None:
         """Keep the last K-1 committed rows as the next window's history."""

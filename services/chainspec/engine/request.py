@@ -73,6 +73,9 @@ class Request:
         self.drafter_synced = False  # the drafter holds this sequence's state
         self.resync_at: int | None = None  # engine step to retry a refused sequence at
         self.resync_backoff = 4
+        # why the sequence last had no drafts ("stale", "resync", "no_drafter"); None once
+        # drafts arrive. Metrics label plain-decode fallbacks with it ("late" when None).
+        self.draft_miss: str | None = None
         self.finish_reason: FinishReason | None = None
         self.stop_string: str | None = None
         self.error: str | None = None

@@ -7,6 +7,7 @@ One `step()`:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from chainspec.engine.draft_types import (
     SeqFailure,
     SeqUpdate,
 )
+from chainspec.engine.observer import VerifierObserver, VerifierStepRecord
 from chainspec.engine.request import FinishReason, Request, RequestOutput, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.schedule import Work, WorkKind, schedule
@@ -54,12 +56,14 @@ class VerifierConfig:
 class VerifierEngine:
     def __init__(self, model: TargetModel, config: VerifierConfig,
                  drafter: DraftClient | None = None, eos_ids: Sequence[int] = (),
-                 detokenize: Callable[[list[int]], str] | None = None) -> None:
+                 detokenize: Callable[[list[int]], str] | None = None,
+                 observer: VerifierObserver | None = None) -> None:
         self.model = model.eval()
         self.config = config
         self.drafter = drafter
         self.eos_ids = frozenset(eos_ids)
         self.detokenize = detokenize
+        self.observer = observer  # metrics: told about requests and steps (host values only)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         cfg = model.config
@@ -76,8 +80,9 @@ class VerifierEngine:
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
-                    stop: StopConditions) -> None:
-        """Queue a request. Raises ValueError for input the model cannot take."""
+                    stop: StopConditions, arrival_s: float | None = None) -> None:
+        """Queue a request. Raises ValueError for input the model cannot take.
+        `arrival_s`: when it reached the server (`time.perf_counter()`; default now)."""
         if request_id in self.by_id:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model.config.vocab_size
@@ -96,6 +101,9 @@ class VerifierEngine:
         self.seq_ids[request_id] = self._next_seq_id
         self._next_seq_id += 1
         self.waiting.append(req)
+        if self.observer is not None:
+            self.observer.request_added(request_id, len(prompt),
+                                        time.perf_counter() if arrival_s is None else arrival_s)
 
     def abort(self, request_id: str) -> bool:
         req = self.by_id.get(request_id)
@@ -116,11 +124,14 @@ class VerifierEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         self.steps += 1
+        started = time.perf_counter()
         self._collect_drafts()
+        drafts_ready = time.perf_counter()
         outputs = self._reap()
         self._admit()
         work = schedule(self.running, self.config.max_batch_tokens, self.config.prefill_chunk)
         if not work:
+            self._observe(started, drafts_ready, (), (), outputs)
             return outputs
         result = run_verify(self.model, self.cache, work, self.device)
         updates: list[SeqUpdate] = []
@@ -134,7 +145,17 @@ class VerifierEngine:
         if updates and self.drafter is not None:
             self.drafter.submit(updates)
         outputs.extend(self._reap())
+        self._observe(started, drafts_ready, work, result.verdicts, outputs)
         return outputs
+
+    def _observe(self, started: float, drafts_ready: float, work, verdicts, outputs) -> None:
+        if self.observer is None:
+            return
+        kv = sum(r.num_computed for r in self.running) / (self.config.max_seqs *
+                                                          self.config.max_len)
+        self.observer.step_done(VerifierStepRecord(
+            started, drafts_ready, time.perf_counter(), work, verdicts, outputs,
+            len(self.running), len(self.waiting), kv, self.drafter is not None))
 
     def _collect_drafts(self) -> None:
         if self.drafter is None:
@@ -147,15 +168,18 @@ class VerifierEngine:
                 continue
             if isinstance(outcome, DraftResult):
                 if outcome.position != req.num_computed:
+                    req.draft_miss = "stale"
                     continue  # stale: proposed for a round that is over
-                req.drafts = outcome
+                req.drafts, req.draft_miss = outcome, None
                 req.drafter_synced = True
                 req.resync_backoff = RESYNC_BACKOFF
             elif isinstance(outcome, SeqFailure):
                 req.drafts, req.drafter_synced = None, False
                 if outcome.code == ErrorCode.FAILED_PRECONDITION:
+                    req.draft_miss = "resync"
                     resync.append(self._resync_update(req))
                 else:  # no drafter could take it now: try again later, backing off
+                    req.draft_miss = "no_drafter"
                     req.resync_at = self.steps + req.resync_backoff
                     req.resync_backoff = min(2 * req.resync_backoff, MAX_RESYNC_BACKOFF)
         for req in self.running:
