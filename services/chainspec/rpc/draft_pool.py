@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -78,6 +79,12 @@ class DraftPoolStats:
     late_batches: int = 0  # answered after their round deadline
     local_failures: int = 0  # updates the pool answered itself (no usable drafter)
     stream_failures: int = 0  # drafter streams that broke
+    reassignments: int = 0  # sequences given to a drafter again after losing theirs
+
+
+class PoolObserver(Protocol):
+    def round_trip(self, seconds: float) -> None:
+        """A Draft batch was answered `seconds` after it was sent (reader thread)."""
 
 
 class LinkState(enum.StrEnum):
@@ -115,7 +122,8 @@ class GrpcDraftClient:
     def __init__(self, endpoints: Sequence[str] = (), opts: ClientOptions = DEFAULT_CLIENT_OPTIONS,
                  round_deadline_s: float = 0.05,
                  hidden_dtype: WireDType | str = WireDType.F32,
-                 match: DrafterMatch | None = None, connect_timeout_s: float = 10.0) -> None:
+                 match: DrafterMatch | None = None, connect_timeout_s: float = 10.0,
+                 observer: PoolObserver | None = None) -> None:
         if round_deadline_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("round_deadline_s and connect_timeout_s must be > 0")
         self.opts, self.round_deadline_s = opts, round_deadline_s
@@ -123,6 +131,7 @@ class GrpcDraftClient:
         self.match = match or DrafterMatch()
         self.connect_timeout_s = connect_timeout_s
         self.stats = DraftPoolStats()
+        self.observer = observer
         self._cond = threading.Condition()  # guards everything below
         self._wanted: set[str] = set()
         self._connecting: set[str] = set()
@@ -130,6 +139,7 @@ class GrpcDraftClient:
         self._open: set[_Link] = set()  # links whose stream may still answer
         self._owner: dict[int, _Link] = {}
         self._homeless: set[int] = set()  # found no drafter at their last start = 0
+        self._lost: set[int] = set()  # lost their drafter; the next one is a reassignment
         self._ready: dict[int, SeqOutcome] = {}
         self._batch_ids = itertools.count(1)
         self._closed = False
@@ -250,6 +260,7 @@ class GrpcDraftClient:
             for seq_id in seq_ids:
                 self._ready.pop(seq_id, None)
                 self._homeless.discard(seq_id)
+                self._lost.discard(seq_id)
                 link = self._owner.pop(seq_id, None)
                 if link is not None:
                     self._unassign(link, seq_id, tell_drafter=True)
@@ -270,6 +281,7 @@ class GrpcDraftClient:
             return owner
         if owner is not None:
             del self._owner[u.seq_id]
+            self._lost.add(u.seq_id)
             self._unassign(owner, u.seq_id, tell_drafter=True)
         if u.start != 0 and u.seq_id in self._homeless:
             # NOTE: not FAILED_PRECONDITION: a resync would find no drafter either, and a
@@ -285,6 +297,9 @@ class GrpcDraftClient:
             self._homeless.add(u.seq_id)
             return self._local(u, ErrorCode.UNAVAILABLE, "no drafter available")
         self._homeless.discard(u.seq_id)
+        if u.seq_id in self._lost:
+            self._lost.discard(u.seq_id)
+            self.stats.reassignments += 1
         link = min(live, key=lambda link: len(link.seqs))
         self._owner[u.seq_id] = link
         link.seqs.add(u.seq_id)
@@ -339,8 +354,11 @@ class GrpcDraftClient:
 
     def _on_reply(self, link: _Link, batch_id: int, results: Sequence[SeqOutcome]) -> None:
         sent = link.outstanding.pop(batch_id, None)
-        if sent is not None and time.perf_counter() > sent[0] + self.round_deadline_s:
+        now = time.perf_counter()
+        if sent is not None and now > sent[0] + self.round_deadline_s:
             self.stats.late_batches += 1
+        if sent is not None and self.observer is not None:
+            self.observer.round_trip(now - sent[0])
         for out in results:
             if self._owner.get(out.seq_id) is not link:
                 continue  # released or moved since
@@ -348,12 +366,14 @@ class GrpcDraftClient:
                 if link.state is LinkState.LIVE:
                     link.state = LinkState.DRAINING
                 del self._owner[out.seq_id]
+                self._lost.add(out.seq_id)
                 self._unassign(link, out.seq_id, tell_drafter=False)  # it dropped the seq
                 out = SeqFailure(out.seq_id, ErrorCode.FAILED_PRECONDITION,
                                  f"drafter {link.endpoint} is draining ({out.message}); "
                                  f"resync elsewhere", 0)
             elif isinstance(out, SeqFailure) and out.code is ErrorCode.RESOURCE_EXHAUSTED:
                 del self._owner[out.seq_id]
+                self._lost.add(out.seq_id)
                 self._unassign(link, out.seq_id, tell_drafter=True)
             self._ready[out.seq_id] = out
         if link.state is LinkState.DRAINING and not link.seqs and not link.outstanding:
@@ -372,6 +392,7 @@ class GrpcDraftClient:
         waiting = set().union(*(wanted for _, wanted in link.outstanding.values()))
         for seq_id in link.seqs:
             del self._owner[seq_id]
+            self._lost.add(seq_id)
             if seq_id in waiting:
                 self._ready[seq_id] = SeqFailure(
                     seq_id, ErrorCode.FAILED_PRECONDITION,

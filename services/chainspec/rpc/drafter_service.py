@@ -31,6 +31,7 @@ from chainspec.engine.draft_types import (
 )
 from chainspec.engine.drafter import DrafterEngine
 from chainspec.engine.fingerprint import model_fingerprint
+from chainspec.metrics.drafter import DrafterMetrics
 from chainspec.rpc.draft_codec import (
     DraftLimits,
     decode_draft_request,
@@ -178,10 +179,16 @@ def _unscoped(out: SeqOutcome, seq_id: int, elapsed: float) -> SeqOutcome:
 
 
 async def serve_drafter(engine: DrafterEngine, opts: ServerOptions, model_name: str,
-                        fingerprint: str | None = None) -> RunningServer:
-    """Start the Drafter service, warm the engine up, then report SERVING."""
+                        fingerprint: str | None = None,
+                        metrics: DrafterMetrics | None = None) -> RunningServer:
+    """Start the Drafter service, warm the engine up, then report SERVING. `metrics` (the
+    engine's observer, if any) also counts the gRPC calls and is served on
+    `opts.metrics_port` when set."""
     servicer = DrafterServicer(engine, model_name, opts.max_message_bytes, fingerprint)
-    running = await start_server(opts, servicer.register, [DRAFTER_SERVICE])
+    if metrics is not None:
+        c = engine.config
+        metrics.set_info(c.num_steps, str(engine.dtype).removeprefix("torch."), c.chain)
+    running = await start_server(opts, servicer.register, [DRAFTER_SERVICE], metrics)
     running.add_drain_hook(servicer.begin_drain)
     running.add_stop_hook(servicer.close)
     try:

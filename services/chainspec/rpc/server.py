@@ -16,10 +16,16 @@ import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from chainspec.metrics.endpoint import MetricsEndpoint
+
+if TYPE_CHECKING:
+    from chainspec.metrics.service import GrpcServiceMetrics
 
 # Calls that never need the token and keep working while draining: probes must see
 # NOT_SERVING, not an error.
@@ -48,6 +54,7 @@ class ServerOptions:
     tls_client_ca: Path | None = None
     auth_token: str | None = None
     drain_grace_s: float = 10.0
+    metrics_port: int | None = None  # Prometheus endpoint on `host` (0: any free port)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -67,6 +74,8 @@ class ServerOptions:
             raise ValueError("auth_token must not be empty (leave it unset to disable)")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
     @property
     def tls(self) -> bool:
@@ -176,6 +185,7 @@ class RunningServer:
         self._drain_hooks: list[Callable[[], Awaitable[None] | None]] = []
         self._stop_hooks: list[Callable[[], None]] = []
         self._stopped = False
+        self.metrics: MetricsEndpoint | None = None  # serves the host's registry
 
     @property
     def address(self) -> str:
@@ -185,6 +195,10 @@ class RunningServer:
     @property
     def draining(self) -> bool:
         return self._gate.draining
+
+    def metrics_url(self, advertise: str | None = None) -> str | None:
+        """The Prometheus endpoint (`advertise` replaces a wildcard host), if any."""
+        return self.metrics.url(advertise) if self.metrics is not None else None
 
     @property
     def active_calls(self) -> int:
@@ -230,6 +244,8 @@ class RunningServer:
         await self.server.stop(grace)
         for hook in self._stop_hooks:
             hook()
+        if self.metrics is not None:
+            self.metrics.close()
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -264,10 +280,15 @@ def _read(path: Path | None, what: str) -> bytes:
 
 
 async def start_server(opts: ServerOptions, register: Callable[[grpc.aio.Server], None],
-                       service_names: Sequence[str]) -> RunningServer:
-    """Start a server with the servicers `register` adds; health starts NOT_SERVING."""
+                       service_names: Sequence[str],
+                       metrics: GrpcServiceMetrics | None = None) -> RunningServer:
+    """Start a server with the servicers `register` adds; health starts NOT_SERVING.
+    With `metrics`: calls are counted into its registry, which `opts.metrics_port` (when
+    set) serves over HTTP until the server stops."""
     gate = _CallGate(opts.auth_token)
-    server = grpc.aio.server(interceptors=[gate], options=server_options(opts))
+    # NOTE: metrics first, so they see the calls the gate refuses
+    interceptors = [metrics.calls.interceptor(), gate] if metrics is not None else [gate]
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(opts))
     register(server)
     health_servicer = health.aio.HealthServicer()
     for name in ("", *service_names):
@@ -281,5 +302,12 @@ async def start_server(opts: ServerOptions, register: Callable[[grpc.aio.Server]
             else server.add_insecure_port(bind)
     except RuntimeError as e:
         raise OSError(f"cannot listen on {bind}: {e}") from None
-    await server.start()
-    return RunningServer(server, opts, port, health_servicer, service_names, gate)
+    running = RunningServer(server, opts, port, health_servicer, service_names, gate)
+    try:
+        if metrics is not None and opts.metrics_port is not None:
+            running.metrics = MetricsEndpoint(metrics.registry, opts.host, opts.metrics_port)
+        await server.start()
+    except BaseException:
+        await running.stop(0)
+        raise
+    return running

@@ -24,6 +24,7 @@ from chainspec.engine.local import DTYPES, LocalOptions
 from chainspec.engine.request import RequestOutput, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.verifier import VerifierConfig, VerifierEngine
+from chainspec.metrics.verifier import VerifierMetrics
 from chainspec.models.loader import load_target
 from chainspec.models.target import TargetModel
 from chainspec.models.tokenizer import Tokenizer
@@ -142,8 +143,9 @@ class VerifierServer:
     """A running verifier: its gRPC server, engine and drafter pool."""
 
     def __init__(self, running: RunningServer, engine: AsyncVerifier,
-                 drafts: GrpcDraftClient) -> None:
+                 drafts: GrpcDraftClient, metrics: VerifierMetrics | None = None) -> None:
         self.running, self.engine, self.drafts = running, engine, drafts
+        self.metrics = metrics
 
     @property
     def address(self) -> str:
@@ -152,6 +154,9 @@ class VerifierServer:
     @property
     def port(self) -> int:
         return self.running.port
+
+    def metrics_url(self, advertise: str | None = None) -> str | None:
+        return self.running.metrics_url(advertise)
 
     @property
     def load(self) -> int:
@@ -176,29 +181,34 @@ class VerifierServer:
 
 async def serve_verifier(opts: VerifierOptions, server: ServerOptions,
                          drafters: Sequence[str] = (),
-                         client: ClientOptions | None = None) -> VerifierServer:
+                         client: ClientOptions | None = None,
+                         metrics: VerifierMetrics | None = None) -> VerifierServer:
     """Load the target, build the engine over a gRPC drafter pool, start the Verifier
-    service, warm up, then report SERVING."""
+    service, warm up, then report SERVING. `metrics` observes the engine, the pool and
+    the gRPC calls (served on `server.metrics_port` when set)."""
     target, tokenizer = await asyncio.to_thread(_load, opts.model)
     m = opts.model
     fingerprint = model_fingerprint(target)
     match = DrafterMatch(m.num_steps, target.config.hidden_size, target.config.vocab_size,
                          fingerprint)  # a drafter of another model is never used
-    drafts = GrpcDraftClient((), client or ClientOptions(), opts.draft_deadline_s, match=match)
+    drafts = GrpcDraftClient((), client or ClientOptions(), opts.draft_deadline_s, match=match,
+                             observer=metrics)
     config = VerifierConfig(num_steps=m.num_steps, max_seqs=m.max_seqs, max_len=m.max_len,
                             max_batch_tokens=max(1024, m.max_seqs * (m.num_steps + 1)))
     eos = tokenizer.eos_token_ids if tokenizer is not None else ()
-    engine = AsyncVerifier(VerifierEngine(target, config, drafts, eos,
-                                          tokenizer.decode if tokenizer else None),
-                           opts.max_waiting)
+    core = VerifierEngine(target, config, drafts, eos, tokenizer.decode if tokenizer else None)
+    engine = AsyncVerifier(core, opts.max_waiting)
+    if metrics is not None:
+        metrics.set_info(m.num_steps, m.dtype, m.chain)
+        metrics.attach(core, drafts)
     limits = GenerateLimits(target.config.vocab_size, m.max_len, m.num_steps,
                             opts.default_max_tokens)
     servicer = VerifierServicer(engine, limits, tokenizer, opts.name, fingerprint,
                                 lambda: len(drafts.loads()))
-    running = await start_server(server, servicer.register, [VERIFIER_SERVICE])
+    running = await start_server(server, servicer.register, [VERIFIER_SERVICE], metrics)
     running.add_stop_hook(engine.shutdown)
     running.add_stop_hook(drafts.close)
-    verifier = VerifierServer(running, engine, drafts)
+    verifier = VerifierServer(running, engine, drafts, metrics)
     try:
         await verifier.set_drafters(drafters)
         await asyncio.to_thread(drafts.wait_connected, drafts.connect_timeout_s + 1.0)
@@ -206,6 +216,9 @@ async def serve_verifier(opts: VerifierOptions, server: ServerOptions,
     except BaseException:
         await running.stop(0)
         raise
+    # NOTE: observed from now on, so the warm-up request is not counted (the engine is
+    # idle: the next step reads the new observer)
+    core.observer = metrics
     await running.set_serving(True)
     return verifier
 
