@@ -1,5 +1,5 @@
 """The image and the chart agree (Ray version, non-root user), and the chart's copies of
-deploy/'s monitoring files are those files (placeholders until deploy/ has them)."""
+deploy/'s monitoring files are those files."""
 
 import re
 
@@ -9,9 +9,9 @@ import yaml
 from tests.helm.tools import CHART, REPO
 
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
-# deploy/ file (written by the metrics issue) -> the chart's copy
-COPIES = {"prometheus-rules.yaml": "files/prometheus-rules.yaml",
-          "grafana-dashboard.json": "files/grafana-dashboard.json"}
+# deploy/ file -> the chart's copy (Helm reads files inside the chart only)
+COPIES = {"prometheus/rules.yaml": "files/prometheus-rules.yaml",
+          "grafana/chainspec.json": "files/grafana-dashboard.json"}
 
 
 def values() -> dict:
@@ -38,8 +38,5 @@ def test_image_runs_as_the_charts_non_root_user():
 @pytest.mark.parametrize("name", sorted(COPIES))
 def test_chart_monitoring_files_are_deploys(name):
     copy = (CHART / COPIES[name]).read_text()
-    source = REPO / "deploy" / name
-    if source.exists():
-        assert copy == source.read_text(), f"copy deploy/{name} to helm/chainspec/{COPIES[name]}"
-    else:
-        assert "PLACEHOLDER" in copy, f"deploy/{name} is missing and the chart's is not marked"
+    source = (REPO / "deploy" / name).read_text()
+    assert copy == source, f"copy deploy/{name} to helm/chainspec/{COPIES[name]}"
