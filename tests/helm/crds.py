@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import jsonschema
 import yaml
 
-from tests.helm.tools import crd_dir
+from tests.tools import crd_dir
 
 CRD_FILES = {
     ("ray.io", "RayCluster"): "ray.io_rayclusters.yaml",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import yaml
 
-from tests.helm.tools import CHART, helm
+from tests.tools import CHART, helm
 
 RELEASE, NAMESPACE = "cs", "serving"
 EXAMPLES = CHART / "examples"

@@ -6,7 +6,7 @@ import re
 import pytest
 import yaml
 
-from tests.helm.tools import CHART, REPO
+from tests.tools import CHART, REPO
 
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
 # deploy/ file -> the chart's copy (Helm reads files inside the chart only)

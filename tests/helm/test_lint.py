@@ -4,7 +4,7 @@ example, and the examples cover what the chart promises."""
 import pytest
 
 from tests.helm.render import CASES, EXAMPLES, helm_run, render
-from tests.helm.tools import CHART
+from tests.tools import CHART
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

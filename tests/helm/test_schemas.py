@@ -9,7 +9,7 @@ import pytest
 
 from tests.helm.crds import is_custom, unknown_fields, validation_errors
 from tests.helm.render import CASES, of_kind, one, pod_templates, render
-from tests.helm.tools import kubernetes_validate
+from tests.tools import kubernetes_validate
 
 CASE_NAMES = sorted(CASES)
 

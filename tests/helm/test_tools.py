@@ -3,7 +3,7 @@ CHAINSPEC_REQUIRE_TOOLS=1, so CI cannot go green by skipping the chart tests."""
 
 import pytest
 
-from tests.helm import tools
+from tests import tools
 
 
 def test_missing_tool_skips_by_default(monkeypatch):

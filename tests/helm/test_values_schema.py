@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from tests.helm.render import HelmError, helm_run, template
-from tests.helm.tools import CHART
+from tests.tools import CHART
 
 
 def schema() -> dict:

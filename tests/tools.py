@@ -1,7 +1,8 @@
-"""Finding the tools the chart tests drive: Helm 3 (on PATH or in ./.tools/bin, see
+"""Finding the external tools tests drive: Helm 3 (on PATH or in ./.tools/bin, see
 `make tools`), the kubernetes-validate package and the upstream CRD schemas in
-../shared/crds. A missing one skips the test with the reason, or fails it under
-CHAINSPEC_REQUIRE_TOOLS=1 (CI), so a CI run can never pass by skipping everything."""
+../shared/crds for the chart tests. A missing one skips the test with the reason, or
+fails it under CHAINSPEC_REQUIRE_TOOLS=1 (CI), so a CI run can never pass by skipping
+everything."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import NoReturn
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "chainspec"
 CRD_DIR = REPO.parent / "shared" / "crds"
 REQUIRE_ENV = "CHAINSPEC_REQUIRE_TOOLS"
