@@ -3,12 +3,10 @@ chainspec invocation that parses (--dry-run through chainspec.cli.main), the sta
 starts matches the worker groups it lands on, every probe and monitor targets a port the
 container declares and the service opens, and selectors pick the pods they should."""
 
-import dataclasses
 import json
 
 import pytest
 
-from chainspec.cluster.config import RoleConfig, StackConfig
 from chainspec.gateway.routes import router
 from tests.helm.render import CASES, of_kind, one, pod_templates, selects, worker_group
 
@@ -165,22 +163,12 @@ def test_grpc_probe_port_is_the_port_the_service_opens(booted):
         assert config[role].get("port") == c["readinessProbe"]["grpc"]["port"], role
 
 
-@pytest.mark.xfail(strict=True, reason="drafters/verifiers do not serve metrics yet (the "
-                   "metrics issue); the stack config names no metrics port")
 def test_role_metrics_port_is_the_port_the_service_opens(booted):
     b = booted("default")
     config = b.of("up")[0].resolved["config"]
     for role in ROLES:
         c = worker_group(b.docs, role)["template"]["spec"]["containers"][0]
-        assert ports(c)["metrics"] in config[role].values(), role
-
-
-# Tripwires: they XPASS (and so fail) once the cluster config can pin the ports; then
-# the chart passes them in stack.yaml and turns grpc.probes on by default.
-@pytest.mark.xfail(strict=True, reason="the stack config has no metrics port yet")
-def test_tripwire_cluster_config_has_a_metrics_port():
-    names = {f.name for cls in (RoleConfig, StackConfig) for f in dataclasses.fields(cls)}
-    assert any("metrics" in n for n in names)
+        assert config[role]["metrics_port"] == ports(c)["metrics"], role
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)

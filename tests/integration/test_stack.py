@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -129,7 +130,9 @@ def test_status_reports_every_member(up) -> None:
     assert sorted(m["role"] for m in ms) == ["drafter", "verifier"]
     for m in ms:
         assert MEMBER_KEYS <= set(m) and m["state"] == "ready" and m["pid"] > 0
-        assert m["endpoint"].startswith("127.0.0.1:") and m["metrics_url"] is None
+        assert m["endpoint"].startswith("127.0.0.1:")
+        assert m["metrics_url"].startswith("http://127.0.0.1:")  # its own ephemeral port
+        assert m["metrics_url"].endswith("/metrics")
 
 
 def test_scale_drafters_under_load_is_lossless(up, prompts, model_dir) -> None:
@@ -242,6 +245,11 @@ def test_cli_status_json_from_another_process(up) -> None:
     assert sorted(m["role"] for m in ms) == ["drafter", "verifier"]
     assert all(MEMBER_KEYS <= set(m) for m in ms)
     assert {m["pid"] for m in ms} == {m["pid"] for m in stack.status(namespace=NS)}
+    for m in ms:  # each member's metrics_url serves that process's own metrics
+        text = urllib.request.urlopen(m["metrics_url"], timeout=10).read().decode()
+        own = "chainspec_drafter_sequences" if m["role"] == "drafter" \
+            else "chainspec_num_requests_running"
+        assert "chainspec_build_info{" in text and own in text, m["member_id"]
 
 
 def test_cli_scale_from_another_process(up) -> None:

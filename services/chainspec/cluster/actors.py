@@ -21,6 +21,8 @@ import ray
 from chainspec.cluster.config import CONTROLLER_NAME, StackConfig
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from chainspec.engine.local import DTYPES
+from chainspec.metrics.drafter import DrafterMetrics
+from chainspec.metrics.verifier import VerifierMetrics
 from chainspec.models.loader import load_draft_model
 from chainspec.rpc.drafter_service import serve_drafter
 from chainspec.rpc.server import ServerOptions
@@ -40,10 +42,13 @@ class _ServiceActor:
         self._start = asyncio.get_running_loop().create_task(self._start_and_register())
 
     async def ping(self) -> dict[str, Any]:
-        """State for the controller: serving, endpoint, load, pid, node, error."""
+        """State for the controller: serving, endpoint, load, pid, node, metrics_url, error."""
+        node = ray.util.get_node_ip_address()
         return {"serving": self.server is not None and not self.server_draining,
                 "endpoint": self.endpoint, "load": self.load, "pid": os.getpid(),
-                "node": ray.util.get_node_ip_address(), "error": self.error}
+                "node": node, "error": self.error,
+                "metrics_url": self.server.metrics_url(node) if self.server is not None
+                else None}
 
     async def drain(self) -> None:
         """Stop taking work, let what is in flight finish (bounded), stop the server."""
@@ -114,17 +119,18 @@ class DrafterActor(_ServiceActor):
         return {"updates": self.engine.updates, "update_s_total": self.engine.update_s_total}
 
     async def serve(self) -> Any:
-        self.engine = await asyncio.to_thread(self._build_engine)
-        return await serve_drafter(self.engine, self.server_options(),
-                                   os.path.basename(self.config.model_dir))
+        name = os.path.basename(self.config.model_dir)
+        metrics = DrafterMetrics(name, self.config.num_steps)
+        self.engine = await asyncio.to_thread(self._build_engine, metrics)
+        return await serve_drafter(self.engine, self.server_options(), name, metrics=metrics)
 
-    def _build_engine(self) -> TimedDrafterEngine:
+    def _build_engine(self, metrics: DrafterMetrics) -> TimedDrafterEngine:
         opts = self.config.local_options(self.role)
         model = load_draft_model(opts.model_dir, DTYPES[opts.dtype], opts.device,
                                  cache_len=opts.max_len)
         return TimedDrafterEngine(model, DrafterConfig(
             num_steps=opts.num_steps, chain=opts.chain, max_seqs=self.config.drafter_max_seqs,
-            max_len=opts.max_len))
+            max_len=opts.max_len), observer=metrics)
 
 
 class VerifierActor(_ServiceActor):
@@ -138,8 +144,8 @@ class VerifierActor(_ServiceActor):
         c = self.config
         opts = VerifierOptions(model=c.local_options(self.role), max_waiting=c.max_waiting,
                                draft_deadline_s=c.draft_deadline_s)
-        server = await serve_verifier(opts, self.server_options(),
-                                      client=c.client_options())
+        server = await serve_verifier(opts, self.server_options(), client=c.client_options(),
+                                      metrics=VerifierMetrics(opts.name, c.num_steps))
         self._watch = asyncio.get_running_loop().create_task(self._follow_drafters(server))
         return server
 

@@ -36,12 +36,16 @@ class RoleConfig:
     resource_amount: float = 0.001
     port: int = 0  # gRPC port of each actor; 0 = any free port. A fixed port allows one
     #                actor of the role per node (Kubernetes: one per pod, so probes work).
+    metrics_port: int | None = 0  # Prometheus endpoint of each actor, like `port`; null: off
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535] or null, "
+                             f"got {self.metrics_port}")
         if self.num_gpus < 0 or self.num_cpus < 0 or self.resource_amount <= 0:
             raise ValueError("num_gpus and num_cpus must be >= 0, resource_amount > 0")
         if self.max_restarts < -1:
@@ -101,6 +105,7 @@ class StackConfig:
     def server_options(self, role: str, drain_grace_s: float) -> ServerOptions:
         """How an actor of `role` serves gRPC."""
         return ServerOptions(host=self.host, port=self.role(role).port,
+                             metrics_port=self.role(role).metrics_port,
                              auth_token=self.auth_token, drain_grace_s=drain_grace_s,
                              tls_cert=_path(self.tls_server_cert),
                              tls_key=_path(self.tls_server_key),

@@ -19,6 +19,7 @@ from chainspec.commands.model_args import add_model_args, local_options
 from chainspec.commands.server_args import add_server_args, jsonable, server_options
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from chainspec.engine.local import DTYPES, LocalOptions
+from chainspec.metrics.drafter import DrafterMetrics
 from chainspec.models.loader import load_draft_model
 from chainspec.rpc.drafter_service import serve_drafter
 from chainspec.rpc.server import ServerOptions
@@ -73,13 +74,17 @@ def run(args: argparse.Namespace) -> int:
     local = cmd.local
     model = load_draft_model(local.model_dir, DTYPES[local.dtype], local.device,
                              cache_len=local.max_len)
-    engine = DrafterEngine(model, cmd.drafter)
-    return asyncio.run(_serve(engine, cmd))
+    metrics = DrafterMetrics(cmd.model_name, cmd.drafter.num_steps) \
+        if cmd.server.metrics_port is not None else None
+    engine = DrafterEngine(model, cmd.drafter, observer=metrics)
+    return asyncio.run(_serve(engine, cmd, metrics))
 
 
-async def _serve(engine, cmd: DrafterCommand) -> int:
-    running = await serve_drafter(engine, cmd.server, cmd.model_name)
+async def _serve(engine, cmd: DrafterCommand, metrics: DrafterMetrics | None) -> int:
+    running = await serve_drafter(engine, cmd.server, cmd.model_name, metrics=metrics)
     print(f"drafter serving {running.address}", flush=True)
+    if metrics is not None:
+        print(f"drafter metrics {running.metrics_url()}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -29,6 +29,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
     p.add_argument("--tls-client-ca", type=Path,
                    help="CA for client certificates: set to require them (mTLS)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus metrics port on --host (0: any free port; -1: off)")
     add_token_args(p)
 
 
@@ -36,7 +38,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     return ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                          tls_cert=args.tls_cert, tls_key=args.tls_key,
                          tls_client_ca=args.tls_client_ca, auth_token=read_token(args),
-                         drain_grace_s=args.drain_grace)
+                         drain_grace_s=args.drain_grace,
+                         metrics_port=None if args.metrics_port < 0 else args.metrics_port)
 
 
 def read_token(args: argparse.Namespace) -> str | None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from chainspec.commands.model_args import add_model_args, local_options
 from chainspec.commands.server_args import add_server_args, jsonable, server_options
+from chainspec.metrics.verifier import VerifierMetrics
 from chainspec.rpc.channel import ClientOptions
 from chainspec.rpc.server import ServerOptions
 from chainspec.rpc.verifier_service import VerifierOptions, serve_verifier
@@ -83,9 +84,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(cmd: VerifierCommand) -> int:
-    verifier = await serve_verifier(cmd.verifier, cmd.server, cmd.drafters, cmd.client)
+    metrics = VerifierMetrics(cmd.verifier.name, cmd.verifier.model.num_steps) \
+        if cmd.server.metrics_port is not None else None
+    verifier = await serve_verifier(cmd.verifier, cmd.server, cmd.drafters, cmd.client, metrics)
     print(f"verifier serving {verifier.address} (drafters: {len(verifier.drafts.loads())})",
           flush=True)
+    if metrics is not None:
+        print(f"verifier metrics {verifier.metrics_url()}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
