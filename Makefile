@@ -29,9 +29,10 @@ test: $(STAMP) lint
 lint: $(STAMP)
 	$(VENV)/bin/ruff check services tests benchmarks
 
-# System tools some tests drive (helm into ./.tools/bin; promtool, prometheus later).
+# System tools some tests drive (helm into ./.tools/bin; promtool and prometheus from apt).
 tools:
 	bash deploy/install-tools.sh
+	bash deploy/install-prometheus.sh
 
 protos: $(STAMP)
 	$(PY) -m chainspec.rpc.build_protos

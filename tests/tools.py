@@ -70,3 +70,23 @@ def crd_dir() -> Path:
         missing(f"the CRD schemas folder {CRD_DIR}",
                 "tests read upstream CRDs from ../shared/crds beside the repo")
     return CRD_DIR
+
+
+PROMETHEUS_HOW = "run `make tools` (deploy/install-prometheus.sh installs Debian's prometheus)"
+
+
+def promtool() -> str:
+    """Path of promtool (on PATH)."""
+    return shutil.which("promtool") or missing("promtool", PROMETHEUS_HOW)
+
+
+def prometheus() -> str:
+    """Path of the Prometheus server (on PATH)."""
+    return shutil.which("prometheus") or missing("prometheus", PROMETHEUS_HOW)
+
+
+def promtool_check(*args: str, stdin: str | None = None) -> None:
+    """`promtool check ...`; fails the test with promtool's output unless it succeeds."""
+    proc = subprocess.run([promtool(), "check", *args], input=stdin, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, f"promtool check {' '.join(args)}:\n{proc.stdout}{proc.stderr}"
