@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,18 +21,26 @@ from chainspec.gateway.metrics import GatewayMetrics
 from chainspec.gateway.responses import Envelope, Format, finish_reason, full_body
 from chainspec.gateway.routing import VerifierPool
 from chainspec.gateway.sse import HEADERS, EventStreamResponse, stream_events
+from chainspec.metrics.discovery import http_sd_groups
 
 CLIENT_GONE = 499  # nginx's code for "the client closed the request"
 
 
 class Gateway:
-    """Admission, model names and the request/response cycle behind the routes."""
+    """Admission, model names and the request/response cycle behind the routes.
+    `members()`: the stack's members as the membership source knows them (discovery)."""
 
-    def __init__(self, config: GatewayConfig, pool: VerifierPool, chat: ChatTemplate) -> None:
-        self.config, self.pool, self.chat = config, pool, chat
-        self.metrics = GatewayMetrics()
+    def __init__(self, config: GatewayConfig, pool: VerifierPool, chat: ChatTemplate,
+                 members: Callable[[], list[dict[str, Any]]] = list) -> None:
+        self.config, self.pool, self.chat, self.members = config, pool, chat, members
+        self.metrics = GatewayMetrics(config.model_name)
+        self.metrics.routing.pool = pool
         self.in_flight = 0
         self.started = int(time.time())
+
+    def metrics_targets(self) -> list[dict[str, Any]]:
+        """Prometheus http_sd target groups: every live member's metrics endpoint."""
+        return http_sd_groups(self.members())
 
     # -- models -------------------------------------------------------------------------
     def model_names(self) -> list[str]:
@@ -178,9 +187,14 @@ class StatusMetrics:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        path, started = scope["path"], time.perf_counter()
 
         async def observed_send(message) -> None:
             if message["type"] == "http.response.start":
-                self.metrics.observe(scope["path"], message["status"])
+                self.metrics.observe(path, message["status"])
+                self.metrics.headers_sent(path, message["status"],
+                                          time.perf_counter() - started)
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                self.metrics.answered(path, time.perf_counter() - started)
             await send(message)
         await self.app(scope, receive, observed_send)

@@ -20,7 +20,8 @@ Describe = Callable[[], dict[str, Any]]
 
 
 class StaticVerifiers:
-    """A fixed list of `host:port` endpoints (`chainspec gateway --verifier ...`)."""
+    """A fixed list of `host:port` endpoints (`chainspec gateway --verifier ...`). Its
+    only known member is the gateway itself."""
 
     def __init__(self, endpoints: Sequence[str]) -> None:
         for ep in endpoints:
@@ -28,9 +29,17 @@ class StaticVerifiers:
             if not host or not port.isdigit():
                 raise ValueError(f"verifier endpoint {ep!r}: expected HOST:PORT")
         self.endpoints = tuple(endpoints)
+        self._describe: Describe | None = None
 
     async def run(self, pool, describe: Describe) -> None:
+        self._describe = describe
         pool.set_endpoints(self.endpoints)
+
+    def members(self) -> list[dict[str, Any]]:
+        if self._describe is None:
+            return []
+        return [{**self._describe(), "member_id": "gateway", "role": "gateway",
+                 "state": "ready"}]
 
 
 class ControllerVerifiers:
@@ -42,6 +51,10 @@ class ControllerVerifiers:
     def __init__(self, controller, on_lost: Callable[[], None] | None = None) -> None:
         self.controller, self.on_lost = controller, on_lost
         self.member_id: str | None = None
+        self._members: list[dict[str, Any]] = []  # as of the last watch
+
+    def members(self) -> list[dict[str, Any]]:
+        return list(self._members)
 
     async def run(self, pool, describe: Describe) -> None:
         heartbeat = asyncio.get_running_loop().create_task(self._heartbeat(describe))
@@ -61,6 +74,7 @@ class ControllerVerifiers:
                 version, members = await self.controller.watch.remote(version, WATCH_TIMEOUT_S)
             except ActorDiedError:
                 log.warning("the stack's controller is gone; no verifiers to route to")
+                self._members = []
                 pool.set_endpoints(())
                 if self.on_lost is not None:
                     self.on_lost()
@@ -69,6 +83,7 @@ class ControllerVerifiers:
                 log.warning("membership watch failed (%s); retrying", e)
                 await asyncio.sleep(1.0)
                 continue
+            self._members = members
             pool.set_endpoints(m["endpoint"] for m in members
                                if m["role"] == "verifier" and m["state"] == "ready"
                                and m["endpoint"])
@@ -86,6 +101,7 @@ class ControllerVerifiers:
             host, _, port = info["endpoint"].rpartition(":")
             if host in ("0.0.0.0", "::", ""):  # listening everywhere: advertise the node
                 info["endpoint"] = f"{node}:{port}"
+                info["metrics_url"] = f"http://{node}:{port}/metrics"
             try:
                 if self.member_id is None or \
                         not await self.controller.register.remote(self.member_id, info):

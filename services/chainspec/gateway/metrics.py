@@ -1,25 +1,64 @@
-"""The gateway's own Prometheus registry (a later issue adds the full metric set)."""
+"""The gateway's own Prometheus registry: answers by route and code, requests in flight,
+time to the first token and request duration per generation route, and the verifiers
+and drafters it can route to (read from its pool at scrape time)."""
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
-from prometheus_client.exposition import generate_latest
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+from chainspec.metrics.buckets import E2E_LATENCY_S, REQUEST_LATENCY_S
+from chainspec.metrics.service import ServiceMetrics
+
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+ROUTES = (*GENERATION_ROUTES, "/v1/models")
 
 
-class GatewayMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+class GatewayMetrics(ServiceMetrics):
+    def __init__(self, model: str = "") -> None:
+        super().__init__(model)
+        r = self.registry
         self.requests = Counter("chainspec_gateway_requests", "HTTP API requests answered",
-                                ["route", "code"], registry=self.registry)
+                                ["route", "code"], registry=r)
         self.in_flight = Gauge("chainspec_gateway_in_flight_requests",
                                "Generation requests in flight through this gateway",
-                               registry=self.registry)
+                               registry=r)
+        self.ttft = Histogram("chainspec_gateway_time_to_first_token_seconds", "Request "
+                              "received to response headers, which wait for the first token "
+                              "(200 answers)", ["route"], buckets=REQUEST_LATENCY_S, registry=r)
+        self.duration = Histogram("chainspec_gateway_request_duration_seconds", "Request "
+                                  "received to the last byte of the answer (a stream: its "
+                                  "end)", ["route"], buckets=E2E_LATENCY_S, registry=r)
+        self.routing = RoutingCollector()
+        r.register(self.routing)
 
     def observe(self, path: str, status: int) -> None:
         if path in ROUTES:  # bounded labels only
             self.requests.labels(path, str(status)).inc()
 
-    def exposition(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def headers_sent(self, path: str, status: int, seconds: float) -> None:
+        if path in GENERATION_ROUTES and status == 200:
+            self.ttft.labels(path).observe(seconds)
+
+    def answered(self, path: str, seconds: float) -> None:
+        if path in GENERATION_ROUTES:
+            self.duration.labels(path).observe(seconds)
+
+
+class RoutingCollector(Collector):
+    """Serving verifiers and the most drafters one of them uses, from the gateway's pool
+    (`pool` set by the Gateway; read on the event loop, where /metrics runs)."""
+
+    def __init__(self) -> None:
+        self.pool = None
+
+    def collect(self):
+        views = [v for v in self.pool.views() if v.serving] if self.pool is not None else []
+        verifiers = GaugeMetricFamily("chainspec_gateway_verifiers",
+                                      "Verifiers serving behind this gateway")
+        verifiers.add_metric([], len(views))
+        drafters = GaugeMetricFamily("chainspec_gateway_drafters", "Most drafters a serving "
+                                     "verifier is connected to")
+        drafters.add_metric([], max((v.drafters for v in views), default=0))
+        return [verifiers, drafters]

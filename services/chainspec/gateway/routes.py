@@ -78,6 +78,13 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, 200 if serving else 503)
 
 
+@router.get("/v1/metrics/targets")
+async def metrics_targets(request: Request) -> JSONResponse:
+    """Prometheus HTTP service discovery: `http_sd_configs: [{url: <gateway>/v1/metrics/
+    targets}]` finds every member's metrics endpoint as members come and go."""
+    return JSONResponse(_gateway(request).metrics_targets())
+
+
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     content, media_type = request.app.state.gateway.metrics.exposition()

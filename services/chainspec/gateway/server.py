@@ -38,7 +38,7 @@ class GatewayServer:
     async def start(cls, config: GatewayConfig, source, chat: ChatTemplate | None = None,
                     client: ClientOptions = DEFAULT_CLIENT_OPTIONS) -> GatewayServer:
         pool = VerifierPool(client, config.refresh_interval_s)
-        gateway = Gateway(config, pool, chat or ChatTemplate())
+        gateway = Gateway(config, pool, chat or ChatTemplate(), source.members)
         sock = bind(config.host, config.port)
         server = _Uvicorn(uvicorn.Config(build_app(gateway), log_config=None,
                                          log_level="warning", access_log=False, lifespan="off",
