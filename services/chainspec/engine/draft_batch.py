@@ -42,6 +42,7 @@ class DraftBatch:
     last_tok: torch.Tensor  # [S] int64: index of x[N'] in `tokens`
     temperature: torch.Tensor  # [S] float32, 0 = greedy
     seed: torch.Tensor  # [S] int64
+    any_sampled: bool = True  # False: every draft is greedy, no noise to draw
 
 
 @dataclass(frozen=True)
@@ -116,4 +117,9 @@ def build_compact(windows: Sequence[Window], num_steps: int,
         tokens=token_stream(windows, tok_stride, len(windows)).to(device),
         row_tok=t(idx.row_tok), last_row=t(idx.last_row), last_tok=t(idx.last_tok),
         temperature=torch.tensor([w.temperature for w in windows], device=device),
-        seed=t([w.seed for w in windows]))
+        seed=t([w.seed for w in windows]),
+        any_sampled=any_sampled(windows))
+
+
+def any_sampled(windows: Sequence[Window]) -> bool:
+    return any(w.temperature > 0 for w in windows)

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from chainspec.engine.draft_batch import DraftBatch, Window, pack_index, token_stream
+from chainspec.engine.draft_batch import (
+    DraftBatch,
+    Window,
+    any_sampled,
+    pack_index,
+    token_stream,
+)
 from chainspec.engine.draft_step import DraftOutput
 from chainspec.models.attention import AttnBatch
 
@@ -76,7 +82,8 @@ class StaticDraftBuffers:
         seeds = [w.seed for w in windows] + [0] * (batch_size - len(windows))
         self.seed[:batch_size].copy_(torch.tensor(seeds))
 
-    def view(self, batch_size: int, kv_len: int | None = None) -> DraftBatch:
+    def view(self, batch_size: int, kv_len: int | None = None,
+             sampled: bool = True) -> DraftBatch:
         """Bucket `batch_size`'s prefix of every buffer. A captured graph reads all
         `max_len` keys; an eager run may read only the `kv_len` the batch needs."""
         rows = batch_size * self.rows_per_seq
@@ -86,7 +93,7 @@ class StaticDraftBuffers:
         return DraftBatch(attn, self.hidden[:rows], self.tokens[: batch_size * self.tok_stride],
                           self.row_tok[:rows], self.last_row[:batch_size],
                           self.last_tok[:batch_size], self.temperature[:batch_size],
-                          self.seed[:batch_size])
+                          self.seed[:batch_size], sampled)
 
 
 class GraphRunner:
@@ -149,7 +156,8 @@ class GraphRunner:
             # NOTE: without a graph nothing pins the shapes, so attention reads only the
             # keys this batch can see (on CPU that is most of a round's cost).
             kv_len = max(w.first_pos + w.num_rows for w in windows)
-            out = self.step_fn(self.buffers.view(key.batch_size, kv_len))
+            out = self.step_fn(self.buffers.view(key.batch_size, kv_len,
+                                                 any_sampled(windows)))
             self.eager_runs += 1
         n = len(windows)
         # NOTE: copy out before the next replay overwrites the graph's output tensors.

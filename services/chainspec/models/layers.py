@@ -32,12 +32,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        weight = self.weight.float() + 1.0 if self.unit_offset else self.weight
+        x32 = x if dtype == torch.float32 else x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
-            return (x * weight).to(dtype)
-        return weight * x.to(dtype)
+            return (x32 * (self.weight.float() + 1.0)).to(dtype)
+        return self.weight * (x32 if dtype == torch.float32 else x32.to(dtype))
 
 
 class MLP(nn.Module):

@@ -84,13 +84,17 @@ class RotaryEmbedding(nn.Module):
         self.rot_dim = inv_freq.numel() * 2
         self.scale = scale
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # NOTE: cos/sin of every position are tabulated once (fp32, the same products HF
+        # computes per call), so a layer only gathers its rows.
+        freqs = torch.arange(max(cache_len, max_position)).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [positions, rot_dim]
+        self.register_buffer("cos_table", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin_table", emb.sin() * scale, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T] -> cos, sin [T, rot_dim]
-        freqs = positions.float()[:, None] * self.inv_freq[None, :].float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+        return self.cos_table[positions].to(dtype), self.sin_table[positions].to(dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
