@@ -2,14 +2,14 @@
 queue and KV gauges, verify and draft times, and the draft pool's counters.
 
 `VerifierMetrics` is the engine's observer (`engine/observer.py`) and the draft pool's
-(round trips). Everything it records comes from host values the step already has.
+(round trips). Everything it records comes from host values the step already has, into a
+`Recorder` (one lock per step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -17,6 +17,7 @@ from chainspec.engine.observer import VerifierStepRecord
 from chainspec.engine.request import FinishReason, RequestOutput
 from chainspec.engine.schedule import WorkKind
 from chainspec.metrics.buckets import E2E_LATENCY_S, REQUEST_LATENCY_S, STEP_S
+from chainspec.metrics.recorder import Recorder
 from chainspec.metrics.service import GrpcServiceMetrics
 
 FALLBACK_REASONS = ("late", "stale", "resync", "no_drafter")
@@ -34,58 +35,55 @@ class VerifierMetrics(GrpcServiceMetrics):
     def __init__(self, model: str, num_steps: int) -> None:
         super().__init__(model)
         self.num_steps = num_steps
-        r = self.registry
-
-        def counter(name: str, doc: str, *labels: str) -> Counter:
-            return Counter(name, doc, ["model", *labels], registry=r)
-
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, ["model"], buckets=buckets, registry=r).labels(model)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, ["model"], registry=r).labels(model)
-
-        self.drafts = counter("chainspec_spec_decode_num_drafts",
-                              "Verify rounds that carried drafts").labels(model)
-        self.draft_tokens = counter("chainspec_spec_decode_num_draft_tokens",
-                                    "Draft tokens verified").labels(model)
-        self.accepted = counter("chainspec_spec_decode_num_accepted_tokens",
-                                "Draft tokens accepted").labels(model)
-        per_pos = counter("chainspec_spec_decode_num_accepted_tokens_per_pos",
-                          "Draft tokens accepted at each draft position (0-based)", "position")
-        self.accepted_per_pos = [per_pos.labels(model, str(i)) for i in range(num_steps)]
-        self.prompt_tokens = counter("chainspec_prompt_tokens",
-                                     "Prompt tokens prefilled").labels(model)
-        self.generation_tokens = counter("chainspec_generation_tokens",
-                                         "Tokens generated (streamed to clients)").labels(model)
-        finished = counter("chainspec_requests_finished", "Requests finished, by reason",
-                           "reason")
-        self.finished = {reason: finished.labels(model, str(reason)) for reason in FinishReason}
-        fallbacks = counter("chainspec_plain_decode_fallbacks", "Decode rounds without drafts "
-                            "while a drafter is configured, by why the drafts were missing",
-                            "reason")
-        self.fallbacks = {reason: fallbacks.labels(model, reason) for reason in FALLBACK_REASONS}
-        self.ttft = histogram("chainspec_time_to_first_token_seconds",
-                              "Arrival to first token", REQUEST_LATENCY_S)
-        self.itl = histogram("chainspec_inter_token_latency_seconds", "Time per token after "
-                             "the first (a round's interval shared by its tokens)", STEP_S)
-        self.e2e = histogram("chainspec_e2e_request_latency_seconds",
-                             "Arrival to last token of completed requests", E2E_LATENCY_S)
-        self.queue_time = histogram("chainspec_request_queue_time_seconds",
-                                    "Arrival to first scheduled", REQUEST_LATENCY_S)
-        self.verify_step = histogram("chainspec_verify_step_seconds", "Verifier step (forward, "
-                                     "acceptance, commit, updates), without the draft wait",
-                                     STEP_S)
-        self.draft_wait = histogram("chainspec_draft_wait_seconds",
-                                    "Time a verifier step waited for drafts", STEP_S)
-        self.draft_rtt = histogram("chainspec_draft_round_trip_seconds", "Draft batch sent "
-                                   "to its answer received, as the verifier sees it", STEP_S)
-        self.running = gauge("chainspec_num_requests_running", "Requests in sequence slots")
-        self.waiting = gauge("chainspec_num_requests_waiting", "Requests queued for a slot")
-        self.kv_usage = gauge("chainspec_kv_cache_usage_ratio",
-                              "KV rows held by running requests / KV rows (0-1)")
+        rec = self.recorder = Recorder({"model": model})
+        self.drafts = rec.counter("chainspec_spec_decode_num_drafts",
+                                  "Verify rounds that carried drafts").child()
+        self.draft_tokens = rec.counter("chainspec_spec_decode_num_draft_tokens",
+                                        "Draft tokens verified").child()
+        self.accepted = rec.counter("chainspec_spec_decode_num_accepted_tokens",
+                                    "Draft tokens accepted").child()
+        per_pos = rec.counter("chainspec_spec_decode_num_accepted_tokens_per_pos",
+                              "Draft tokens accepted at each draft position (0-based)",
+                              "position")
+        self.accepted_per_pos = [per_pos.child(str(i)) for i in range(num_steps)]
+        self.prompt_tokens = rec.counter("chainspec_prompt_tokens",
+                                         "Prompt tokens prefilled").child()
+        self.generation_tokens = rec.counter("chainspec_generation_tokens",
+                                             "Tokens generated (streamed to clients)").child()
+        finished = rec.counter("chainspec_requests_finished", "Requests finished, by reason",
+                               "reason")
+        self.finished = {reason: finished.child(str(reason)) for reason in FinishReason}
+        fallbacks = rec.counter("chainspec_plain_decode_fallbacks", "Decode rounds without "
+                                "drafts while a drafter is configured, by why the drafts "
+                                "were missing", "reason")
+        self.fallbacks = {reason: fallbacks.child(reason) for reason in FALLBACK_REASONS}
+        self.ttft = rec.histogram("chainspec_time_to_first_token_seconds",
+                                  "Arrival to first token", REQUEST_LATENCY_S).child()
+        self.itl = rec.histogram("chainspec_inter_token_latency_seconds", "Time per token "
+                                 "after the first (a round's interval shared by its tokens)",
+                                 STEP_S).child()
+        self.e2e = rec.histogram("chainspec_e2e_request_latency_seconds", "Arrival to last "
+                                 "token of completed requests", E2E_LATENCY_S).child()
+        self.queue_time = rec.histogram("chainspec_request_queue_time_seconds",
+                                        "Arrival to first scheduled", REQUEST_LATENCY_S).child()
+        self.verify_step = rec.histogram("chainspec_verify_step_seconds", "Verifier step "
+                                         "(forward, acceptance, commit, updates), without "
+                                         "the draft wait", STEP_S).child()
+        self.draft_wait = rec.histogram("chainspec_draft_wait_seconds",
+                                        "Time a verifier step waited for drafts",
+                                        STEP_S).child()
+        self.draft_rtt = rec.histogram("chainspec_draft_round_trip_seconds", "Draft batch "
+                                       "sent to its answer received, as the verifier sees it",
+                                       STEP_S).child()
+        self.running = rec.gauge("chainspec_num_requests_running",
+                                 "Requests in sequence slots").child()
+        self.waiting = rec.gauge("chainspec_num_requests_waiting",
+                                 "Requests queued for a slot").child()
+        self.kv_usage = rec.gauge("chainspec_kv_cache_usage_ratio",
+                                  "KV rows held by running requests / KV rows (0-1)").child()
+        self.registry.register(rec)
         self.sources = DraftStatsCollector(model)
-        r.register(self.sources)
+        self.registry.register(self.sources)
         self.set_info(num_steps)
         self._requests: dict[str, _Times] = {}
 
@@ -98,19 +96,21 @@ class VerifierMetrics(GrpcServiceMetrics):
         self._requests[request_id] = _Times(arrival_s)
 
     def step_done(self, step: VerifierStepRecord) -> None:
-        if step.work:
-            self.verify_step.observe(step.finished_s - step.drafts_s)
-            if step.speculative:
-                self.draft_wait.observe(step.drafts_s - step.started_s)
-            self._count_work(step)
-        self._count_outputs(step.outputs, step.finished_s)
-        self.running.set(step.running)
-        self.waiting.set(step.waiting)
-        self.kv_usage.set(step.kv_usage)
+        with self.recorder.lock:
+            if step.work:
+                self.verify_step.observe(step.finished_s - step.drafts_s)
+                if step.speculative:
+                    self.draft_wait.observe(step.drafts_s - step.started_s)
+                self._count_work(step)
+            self._count_outputs(step.outputs, step.finished_s)
+            self.running.value = step.running
+            self.waiting.value = step.waiting
+            self.kv_usage.value = step.kv_usage
 
-    # -- draft pool observer (engine thread or a stream's reader thread) ---------------
+    # -- draft pool observer (a stream's reader thread) --------------------------------
     def round_trip(self, seconds: float) -> None:
-        self.draft_rtt.observe(seconds)
+        with self.recorder.lock:
+            self.draft_rtt.observe(seconds)
 
     # -- internals ------------------------------------------------------------------------
     def _count_work(self, step: VerifierStepRecord) -> None:
@@ -131,16 +131,13 @@ class VerifierMetrics(GrpcServiceMetrics):
                 for i in range(verdict.accepted):
                     per_pos[i] += 1
             elif step.speculative:
-                self.fallbacks[req.draft_miss or "late"].inc()
-        if prompt:
-            self.prompt_tokens.inc(prompt)
-        if drafts:
-            self.drafts.inc(drafts)
-            self.draft_tokens.inc(draft_tokens)
-            self.accepted.inc(accepted)
-            for child, n in zip(self.accepted_per_pos, per_pos, strict=True):
-                if n:
-                    child.inc(n)
+                self.fallbacks[req.draft_miss or "late"].value += 1
+        self.prompt_tokens.value += prompt
+        self.drafts.value += drafts
+        self.draft_tokens.value += draft_tokens
+        self.accepted.value += accepted
+        for child, n in zip(self.accepted_per_pos, per_pos, strict=True):
+            child.value += n
 
     def _count_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         generated = 0
@@ -159,12 +156,11 @@ class VerifierMetrics(GrpcServiceMetrics):
                         self.itl.observe(per_token)
                 times.last_token_s = now
             if out.finished:
-                self.finished[out.finish_reason].inc()
+                self.finished[out.finish_reason].value += 1
                 if out.finish_reason in DONE and out.error is None:
                     self.e2e.observe(now - times.arrival_s)
                 del self._requests[out.request_id]
-        if generated:
-            self.generation_tokens.inc(generated)
+        self.generation_tokens.value += generated
 
 
 class DraftStatsCollector(Collector):
