@@ -212,6 +212,7 @@ def test_drafter_killed_mid_run(models, model_dir, batch, plain, drafters) -> No
     assert [drive.tokens[i] for i in ids] == plain
     assert drive.eng.resyncs >= 1
     assert client.stats.stream_failures == 1
+    assert 1 <= client.stats.reassignments <= on_victim  # moved to the survivor
 
 
 def test_draining_drafter_hands_its_sequences_over(loop, models, batch, plain,
@@ -230,6 +231,7 @@ def test_draining_drafter_hands_its_sequences_over(loop, models, batch, plain,
     client.close()
     assert [drive.tokens[i] for i in ids] == plain
     assert drive.eng.resyncs >= 1 and client.stats.stream_failures == 0
+    assert client.stats.reassignments >= 1
 
 
 def test_set_endpoints_adds_and_removes_drafters(models, batch, plain, drafters) -> None:
