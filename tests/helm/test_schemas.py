@@ -124,3 +124,15 @@ def test_every_monitoring_object_kind_is_checked():
     kinds = {d["kind"] for d in render("autoscaling-mtls-monitoring") if is_custom(d)}
     assert kinds == {"RayCluster", "PodMonitor", "ServiceMonitor", "PrometheusRule"}
     assert len(of_kind(render("autoscaling-mtls-monitoring"), "PodMonitor")) == 2
+
+
+def test_monitors_label_targets_like_http_sd_discovery():
+    """The rules and the dashboard group by `role` and `member`: on Kubernetes the
+    monitors must attach the same labels the gateway's http_sd endpoint does."""
+    docs = render("autoscaling-mtls-monitoring")
+    monitors = of_kind(docs, "PodMonitor") + of_kind(docs, "ServiceMonitor")
+    assert len(monitors) == 3
+    for m in monitors:
+        key = "podMetricsEndpoints" if m["kind"] == "PodMonitor" else "endpoints"
+        for ep in m["spec"][key]:
+            assert {r["targetLabel"] for r in ep["relabelings"]} >= {"role", "member"}
