@@ -35,6 +35,12 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def test_training_is_deterministic(demo_dir: Path, tmp_path: Path) -> None:
+    assert main(["--preset", "tiny", "--out", str(tmp_path), "--threads", "1"]) == 0
+    for name in ("model.safetensors", "mtp.safetensors", "tokenizer.json"):
+        assert (tmp_path / name).read_bytes() == (demo_dir / name).read_bytes(), name
+
+
 def test_folder_has_every_file(demo_dir: Path) -> None:
     names = {p.name for p in demo_dir.iterdir()}
     assert names == {"config.json", "model.safetensors", "mtp.safetensors", "tokenizer.json",

@@ -71,7 +71,8 @@ the stored weights read back to float32.
     {r.command}
 
 (`chainspec train-demo --out DIR` runs the same entry point.) Seed {rec.seed}; torch
-{_torch()}, Python {r.python}, 2 CPU threads. Wall time: {times}.
+{_torch()}, Python {r.python}, 2 CPU threads. Wall time of this run: {times}
+(it grows when other work shares the cores).
 
 ## Data
 The standard library of the training interpreter (Python {r.python}, `{r.stdlib_root}`):

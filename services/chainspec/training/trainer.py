@@ -145,11 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `chainspec train-demo`. Returns the process exit status."""
     args = build_parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
     recipe = with_steps(PRESETS[args.preset], args.joint_steps, args.distill_steps)
     argv = sys.argv[1:] if argv is None else argv
     command = "python -m chainspec.training.trainer " + shlex.join(argv)
-    report = train(recipe, args.out, command, args.stdlib)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        report = train(recipe, args.out, command, args.stdlib)
+    finally:
+        torch.set_num_threads(threads)  # callers in the same process keep theirs
     print(f"wrote {args.out} in {report.stage_seconds['total']:.0f}s; mean acceptance "
           f"length {report.simulated.mean_length:.2f} (simulated), "
           f"{report.teacher_forced.mean_length:.2f} (teacher-forced)")
