@@ -158,3 +158,30 @@ def test_transformers_loads_target_unchanged(demo_dir: Path) -> None:
         ref = hf.eval()(ids[None]).logits[0]
         hidden = ours.target(ids, torch.arange(20), DenseCausal(1, 20, ours.target.attention_scale))
         torch.testing.assert_close(ours.target.logits(hidden), ref, atol=1e-4, rtol=1e-4)
+
+
+ASSET = Path(__file__).resolve().parents[2] / "services" / "chainspec" / "assets" / "demo"
+
+
+@pytest.mark.skipif(not (ASSET / "config.json").exists(), reason="demo model not built")
+def test_committed_demo_folder() -> None:
+    """The shipped model: small, DeepSeek-named MTP tensors, and a target that
+    transformers reads from model.safetensors alone with chainspec's logits."""
+    assert sum(p.stat().st_size for p in ASSET.iterdir()) < 40e6
+    cfg = ModelConfig.from_dir(ASSET)
+    n = cfg.num_layers
+    expected = {f"model.layers.{n + i}.{name}" for i in range(K) for name in BLOCK + GLUE}
+    assert cfg.num_mtp_layers == K
+    assert set(load_file(str(ASSET / "mtp.safetensors"))) == expected
+    transformers = pytest.importorskip("transformers")
+    from chainspec.models.attention import DenseCausal
+
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        ASSET, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    target = load_model(ASSET).target
+    ids = torch.randint(0, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf.eval()(ids[None]).logits[0]
+        hidden = target(ids, torch.arange(64), DenseCausal(1, 64, target.attention_scale))
+        torch.testing.assert_close(target.logits(hidden), ref, atol=1e-4, rtol=1e-4)
