@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
 from chainspec.engine.local import DEMO_MODEL, DTYPES, LocalOptions
 
 
@@ -19,8 +21,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len", type=int, default=1024, help="context length per slot")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: on a CPU, models of the demo's "
+                        "size run fastest single-threaded; 0 keeps torch's default)")
 
 
 def local_options(args: argparse.Namespace) -> LocalOptions:
+    if getattr(args, "threads", 0) and not getattr(args, "dry_run", False):
+        torch.set_num_threads(args.threads)
     return LocalOptions(args.model, args.k, args.chain, args.max_seqs, args.max_len,
                         args.dtype, args.device)
