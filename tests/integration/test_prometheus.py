@@ -35,10 +35,11 @@ def wait_for(what: str, fn, timeout: float = 90.0):
     while time.monotonic() < deadline:
         try:
             last = fn()
-        except (httpx.HTTPError, OSError) as e:
+        except (httpx.HTTPError, OSError) as e:  # not up yet: keep polling
             last = e
-        if last:
-            return last
+        else:
+            if last:
+                return last
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}: {last!r}")
 
