@@ -184,7 +184,7 @@ class VerifierEngine:
                     req.resync_backoff = min(2 * req.resync_backoff, MAX_RESYNC_BACKOFF)
         for req in self.running:
             if req.resync_at is not None and req.resync_at <= self.steps and \
-                    not req.drafter_synced and not req.finished:
+                    not req.drafter_synced and not req.finished and req.num_computed > 0:
                 resync.append(self._resync_update(req))
         if resync:
             self.drafter.submit(resync)
