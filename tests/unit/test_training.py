@@ -41,6 +41,15 @@ def test_training_is_deterministic(demo_dir: Path, tmp_path: Path) -> None:
         assert (tmp_path / name).read_bytes() == (demo_dir / name).read_bytes(), name
 
 
+def test_cli_train_demo_writes_the_same_folder(demo_dir: Path, tmp_path: Path) -> None:
+    """`chainspec train-demo` parses the trainer's own options and trains identically."""
+    from chainspec.cli import main as cli_main
+    assert cli_main(["train-demo", "--preset", "tiny", "--out", str(tmp_path),
+                     "--threads", "1"]) == 0
+    for name in ("model.safetensors", "mtp.safetensors", "tokenizer.json"):
+        assert (tmp_path / name).read_bytes() == (demo_dir / name).read_bytes(), name
+
+
 def test_folder_has_every_file(demo_dir: Path) -> None:
     names = {p.name for p in demo_dir.iterdir()}
     assert names == {"config.json", "model.safetensors", "mtp.safetensors", "tokenizer.json",

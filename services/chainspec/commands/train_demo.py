@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
+
+from chainspec.training import trainer
 
 
 def add_parser(sub) -> list[str]:
-    p = sub.add_parser("train-demo", help="train the bundled demo model", add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER)
+    p = sub.add_parser("train-demo", help="train the bundled demo model",
+                       description=trainer.DESCRIPTION)
+    trainer.add_arguments(p)
     return ["train-demo"]
 
 
 def run(args: argparse.Namespace) -> int:
-    from chainspec.training.trainer import main
-    return main(args.args)
+    return trainer.run(args, "chainspec " + shlex.join(sys.argv[1:]))

@@ -129,25 +129,35 @@ def train(recipe: Recipe, out_dir: Path, command: str, stdlib: Path | None = Non
     return report
 
 
+DESCRIPTION = ("Train the demo model (Llama target + chained MTP modules) on the Python "
+               "standard library and write a Hugging Face folder with a model card.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="chainspec train-demo", description=(
-        "Train the demo model (Llama target + chained MTP modules) on the Python standard "
-        "library and write a Hugging Face folder with a model card."))
+    p = argparse.ArgumentParser(prog="chainspec train-demo", description=DESCRIPTION)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--preset", choices=sorted(PRESETS), default="demo")
     p.add_argument("--joint-steps", type=int, help="override the joint stage's steps")
     p.add_argument("--distill-steps", type=int, help="override the distill stage's steps")
     p.add_argument("--stdlib", type=Path, help="corpus root (default: this Python's stdlib)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `chainspec train-demo`. Returns the process exit status."""
+    """Entry point of `python -m chainspec.training.trainer`. Returns the exit status."""
     args = build_parser().parse_args(argv)
-    recipe = with_steps(PRESETS[args.preset], args.joint_steps, args.distill_steps)
     argv = sys.argv[1:] if argv is None else argv
-    command = "python -m chainspec.training.trainer " + shlex.join(argv)
+    return run(args, "python -m chainspec.training.trainer " + shlex.join(argv))
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    """Train with parsed arguments; `command` is recorded in the model card."""
+    recipe = with_steps(PRESETS[args.preset], args.joint_steps, args.distill_steps)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
