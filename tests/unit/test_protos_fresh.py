@@ -12,6 +12,7 @@ from google.protobuf.descriptor_pb2 import DescriptorProto, FileDescriptorProto
 
 from chainspec.rpc import build_protos, wire_lock
 from chainspec.rpc.generated import GRPC_TOOLS_VERSION
+from tests.tools import missing
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +47,8 @@ def test_committed_descriptors_match_protos(descriptors) -> None:
 def test_generated_tree_is_fresh(tmp_path: Path) -> None:
     """Byte-exact: catches hand edits of generated code and a stale import rewrite."""
     if build_protos.tools_version() != GRPC_TOOLS_VERSION:
-        pytest.skip(f"stubs were generated with grpcio-tools {GRPC_TOOLS_VERSION}, "
-                    f"{build_protos.tools_version()} is installed")
+        missing(f"grpcio-tools {GRPC_TOOLS_VERSION} (the stubs' generator)",
+                f"{build_protos.tools_version()} is installed; the test extra pins it")
     build_protos.generate(tmp_path / "generated", update_lock=False)
     committed = build_protos.GENERATED_DIR
 

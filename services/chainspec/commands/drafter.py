@@ -11,12 +11,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from chainspec.commands.model_args import add_model_args, local_options
-from chainspec.commands.server_args import add_server_args, jsonable, server_options
+from chainspec.commands.server_args import (
+    add_server_args,
+    jsonable,
+    serve_until_signal,
+    server_options,
+)
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from chainspec.engine.local import DTYPES, LocalOptions
 from chainspec.metrics.drafter import DrafterMetrics
@@ -85,12 +89,4 @@ async def _serve(engine, cmd: DrafterCommand, metrics: DrafterMetrics | None) ->
     print(f"drafter serving {running.address}", flush=True)
     if metrics is not None:
         print(f"drafter metrics {running.metrics_url()}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    print("drafter draining", flush=True)
-    await running.drain()
-    print("drafter stopped", flush=True)
-    return 0
+    return await serve_until_signal("drafter", running.drain)

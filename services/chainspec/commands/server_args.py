@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from chainspec.rpc.server import ServerOptions
@@ -64,3 +67,16 @@ def jsonable(value):
     if isinstance(value, list | tuple):
         return [jsonable(v) for v in value]
     return str(value) if isinstance(value, Path) else value
+
+
+async def serve_until_signal(role: str, drain: Callable[[], Awaitable[None]]) -> int:
+    """Run until SIGTERM or SIGINT, then drain; the exit status of a service command."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print(f"{role} draining", flush=True)
+    await drain()
+    print(f"{role} stopped", flush=True)
+    return 0

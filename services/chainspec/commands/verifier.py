@@ -11,12 +11,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from chainspec.commands.model_args import add_model_args, local_options
-from chainspec.commands.server_args import add_server_args, jsonable, server_options
+from chainspec.commands.server_args import (
+    add_server_args,
+    jsonable,
+    serve_until_signal,
+    server_options,
+)
 from chainspec.metrics.verifier import VerifierMetrics
 from chainspec.rpc.channel import ClientOptions
 from chainspec.rpc.server import ServerOptions
@@ -91,12 +95,4 @@ async def _serve(cmd: VerifierCommand) -> int:
           flush=True)
     if metrics is not None:
         print(f"verifier metrics {verifier.metrics_url()}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    print("verifier draining", flush=True)
-    await verifier.drain()
-    print("verifier stopped", flush=True)
-    return 0
+    return await serve_until_signal("verifier", verifier.drain)
