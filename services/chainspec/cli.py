@@ -9,7 +9,7 @@ import sys
 
 # Module names under chainspec.commands, in help order.
 COMMANDS = ("generate", "bench", "train_demo", "drafter", "verifier", "up", "status", "scale",
-            "down", "serve", "gateway")
+            "down", "serve", "gateway", "health")
 
 
 def _modules() -> dict[str, object]:
