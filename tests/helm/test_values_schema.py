@@ -65,11 +65,5 @@ def test_replicas_outside_min_max_are_refused():
     template(*autoscaled, "--set", "drafter.replicas=9")  # ignored under the autoscaler
 
 
-def test_grpc_probes_and_tls_are_refused_together():
-    message = refused("--set", "tls.enabled=true", "--set", "tls.serverSecretName=s",
-                      "--set", "tls.clientSecretName=c", "--set", "drafter.grpc.probes=true")
-    assert "cannot speak TLS" in message
-
-
 def test_model_source_needs_its_location():
     assert "model.pvc.claimName is required" in refused("--set", "model.source=pvc")

@@ -147,20 +147,7 @@ def _gateway_paths() -> set[str]:
     return {route.path for route in router.routes}
 
 
-@pytest.mark.parametrize("case", CASE_NAMES)
-def test_grpc_probes_only_on_worker_grpc_ports(case, booted):
-    for role in ROLES:
-        c = worker_group(booted(case).docs, role)["template"]["spec"]["containers"][0]
-        for probe in (c[k] for k in PROBES if k in c):
-            assert probe["grpc"]["port"] == ports(c)["grpc"], role
-
-
-def test_grpc_probe_port_is_the_port_the_service_opens(booted):
-    b = booted("default")
-    config = b.of("up")[0].resolved["config"]
-    for role in ROLES:
-        c = worker_group(b.docs, role)["template"]["spec"]["containers"][0]
-        assert config[role].get("port") == c["readinessProbe"]["grpc"]["port"], role
+# worker probes: test_probes.py
 
 
 def test_role_metrics_port_is_the_port_the_service_opens(booted):
@@ -238,8 +225,10 @@ def test_mounts_name_volumes_and_tls_goes_where_it_is_used(case, booted):
             component = pt.labels["app.kubernetes.io/component"]
             if "tls-server" in volumes:
                 assert component in ROLES and "tls-server" in mounts
-            if "tls-client" in volumes:
-                assert component in ("verifier", "gateway") and "tls-client" in mounts
+            if "tls-client" in volumes:  # clients: verifiers, gateways, mTLS probes
+                probed = component == "drafter" and "readinessProbe" in c
+                assert component in ("verifier", "gateway") or probed, pt.where
+                assert "tls-client" in mounts, pt.where
     tls = [pt for pt in pod_templates(booted("autoscaling-mtls-monitoring").docs)
            if "tls-server" in {v["name"] for v in pt.spec.get("volumes", [])}]
     assert len(tls) == 2
