@@ -142,7 +142,7 @@ exec:
     - --tls-ca
     - {{ $m }}/server/ca.crt
     - --tls-server-name
-    - {{ $tls.probeServerName | quote }}
+    - {{ $tls.serverName | quote }}
     - --tls-cert
     - {{ $m }}/client/tls.crt
     - --tls-key
