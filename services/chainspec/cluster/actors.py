@@ -30,6 +30,7 @@ from chainspec.rpc.verifier_service import VerifierOptions, serve_verifier
 
 log = logging.getLogger(__name__)
 WATCH_TIMEOUT_S = 10.0
+REGISTER_TRIES = 20  # ~1 min of backoff; after that the controller's pings must do
 
 
 class _ServiceActor:
@@ -85,8 +86,22 @@ class _ServiceActor:
         except Exception as e:  # reported to the controller, which marks it dead
             log.exception("%s failed to start", self.member_id)
             self.error = f"{type(e).__name__}: {e}"
-        controller = ray.get_actor(CONTROLLER_NAME, namespace=self.config.namespace)
-        await controller.register.remote(self.member_id, await self.ping())
+        await self._register()
+
+    async def _register(self) -> None:
+        """Report in by name; a restarting controller is retried with backoff (its pings
+        find this member anyway once it has re-adopted it)."""
+        delay = 0.2
+        for _ in range(REGISTER_TRIES):
+            try:
+                controller = ray.get_actor(CONTROLLER_NAME, namespace=self.config.namespace)
+                await controller.register.remote(self.member_id, await self.ping())
+                return
+            except Exception as e:  # no controller (yet), or it is restarting
+                log.info("%s: register failed (%s); retrying in %.1f s", self.member_id, e,
+                         delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
 
 
 class TimedDrafterEngine(DrafterEngine):

@@ -1,8 +1,14 @@
-"""The controller: a named, detached Ray actor that owns membership (DESIGN 4.4).
+"""The controller: a named, detached Ray actor that keeps membership (DESIGN 4.4).
 
-It spawns drafter and verifier actors (which it therefore owns: they die with it),
+It spawns drafter and verifier actors as named, detached actors (they outlive it),
 health-checks each with an actor ping, drains members on scale-down, and publishes
 membership under a version counter that verifiers long-poll (`watch`) to follow drafters.
+It is off the data path: requests flow verifier <-> drafter without it.
+
+Its intent (`cluster/intent.py`) goes to Ray's GCS key-value store before it acts. Ray
+restarts a dead controller (max_restarts=-1) with the same arguments; the new one reads
+the intent, re-adopts the members it finds by name, drains the draining ones again and
+spawns only what is missing, so a restart loses no member and no scaled count.
 
 Drain of one member: state DRAINING (version bump); for a drafter, wait until every ready
 verifier has applied that version (routes nothing new there, moved its sequences away)
@@ -14,7 +20,8 @@ flight finish) and the actor is killed for good. Each wait is bounded by
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
+import os
 import time
 from typing import Any
 
@@ -22,28 +29,39 @@ import ray
 
 from chainspec.cluster.actors import DrafterActor, VerifierActor
 from chainspec.cluster.config import MEMBER_ROLES, ROLES, StackConfig
+from chainspec.cluster.intent import MEMBER_NAME, Intent, IntentStore, actor_name, role_of
 from chainspec.cluster.membership import Member, MemberState
 
 START_TIMEOUT_S = 300.0  # longest wait for new members to load their model
 
 
 class Controller:
-    def __init__(self, config: StackConfig) -> None:
+    def __init__(self, config: StackConfig, stack_id: str = "") -> None:
         self.config = config
         self._members: dict[str, Member] = {}
         self._handles: dict[str, Any] = {}  # member_id -> actor handle
-        self.version = 0
         self.applied: dict[str, int] = {}  # verifier member_id -> membership version applied
         self._changed = asyncio.Event()
-        self._ids = {role: itertools.count() for role in MEMBER_ROLES}
         self._heartbeats: dict[str, float] = {}  # external member_id -> last register
         self._tasks: set[asyncio.Task] = set()
-        for role in ROLES:  # NOTE: also what a restarted controller comes back with
-            for _ in range(config.role(role).replicas):
-                self._spawn(role)
+        self._store = IntentStore(config.namespace)
+        self.intent = self._load_intent(stack_id)
+        # NOTE: versions grow across incarnations, so a watcher's stale version (and its
+        # acknowledgement) from the dead controller is always older than ours
+        self.version = self.intent.epoch << 32
+        self._recovered = asyncio.Event()
+        for member_id in list(self.intent.members):
+            self._adopt(member_id)
+        self._save()
+        self._start_task(self._recover())
 
     # -- queries ------------------------------------------------------------------------
+    async def ping(self) -> dict[str, Any]:
+        """This incarnation: pid, epoch (restarts of this stack's controller), version."""
+        return {"pid": os.getpid(), "epoch": self.intent.epoch, "version": self.version}
+
     async def members(self) -> list[dict[str, Any]]:
+        await self._recovered.wait()
         return [m.to_dict() for m in self._members.values()]
 
     async def get_config(self) -> dict[str, Any]:
@@ -53,6 +71,7 @@ class Controller:
                     watcher: str | None = None) -> tuple[int, list[dict[str, Any]]]:
         """Membership once it differs from `version` (or after `timeout_s`). `watcher`
         (a verifier's member id) acknowledges that it has applied `version`."""
+        await self._recovered.wait()
         if watcher is not None:
             self.applied[watcher] = version
         if version == self.version:
@@ -65,6 +84,7 @@ class Controller:
     async def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> list[dict[str, Any]]:
         """Members once none is starting; raises with the states on timeout or failure."""
         deadline = time.monotonic() + timeout_s
+        await self._recovered.wait()
         while any(m.state is MemberState.STARTING for m in self._members.values()):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"members not ready after {timeout_s:.0f} s: "
@@ -92,7 +112,8 @@ class Controller:
         `register` at least every `health_timeout_s` and leaves with `leave`."""
         if role not in MEMBER_ROLES:
             raise ValueError(f"unknown role {role!r}; known: {', '.join(MEMBER_ROLES)}")
-        member = Member(f"{role}-{next(self._ids[role])}", role)
+        member = Member(self.intent.new_id(role), role)
+        self._save()
         self._members[member.member_id] = member
         self._heartbeats[member.member_id] = time.monotonic()
         member.observe(info)
@@ -109,38 +130,104 @@ class Controller:
         self.config.role(role)  # validates the role
         if n < 0:
             raise ValueError(f"replicas must be >= 0, got {n}")
-        active = [m for m in self._members.values()
-                  if m.role == role and m.state is not MemberState.DRAINING]
-        started = [self._spawn(role) for _ in range(n - len(active))]
-        # drain the least loaded first, newest on ties
-        victims = sorted(active, key=lambda m: (m.load, -_index(m)))[:max(0, len(active) - n)]
-        drains = [self._start_task(self._drain(m)) for m in victims]
+        await self._recovered.wait()
+        self.intent.replicas[role] = n
+        self._save()
+        started, drains = self._reconcile(role)
         if wait:
             await asyncio.gather(*drains)
             await self._wait_started(started)
         return await self.members()
 
     async def shutdown(self) -> None:
-        """Kill every member (no restarts)."""
+        """Kill every member (no restarts), adopted or not yet; a restart of this
+        controller from now on spawns nothing."""
+        self.intent.stopped = True
+        self._save()
+        self._recovered.set()  # NOTE: nobody waits forever on a recovery cancelled here
         for task in list(self._tasks):
             task.cancel()
         for member_id in list(self._members):
             self._remove(member_id)
+        _kill_members(self.config.namespace, self.intent.members)
+        self.intent.members, self.intent.draining = [], []
+        self._save()
+
+    # -- recovery -----------------------------------------------------------------------
+    def _load_intent(self, stack_id: str) -> Intent:
+        """This stack's intent (a restart: one more epoch), else a fresh one; members an
+        older stack in this namespace left behind are killed first."""
+        intent = self._store.load()
+        if intent is not None and intent.stack_id == stack_id:
+            intent.epoch += 1
+            return intent
+        if intent is not None:
+            _kill_members(self.config.namespace, intent.members)
+        return Intent.fresh(self.config, stack_id)
+
+    def _adopt(self, member_id: str) -> None:
+        """Take back a member spawned by an earlier incarnation, if it still exists."""
+        try:
+            handle = ray.get_actor(actor_name(member_id), namespace=self.config.namespace)
+        except ValueError:  # gone for good (killed, or out of restarts)
+            self.intent.forget(member_id)
+            return
+        member = Member(member_id, role_of(member_id))
+        if member_id in self.intent.draining:
+            member.state = MemberState.DRAINING
+        self._members[member_id], self._handles[member_id] = member, handle
+
+    async def _recover(self) -> None:
+        """Ask the adopted members how they are before answering anyone (a verifier
+        must not see its drafters as `starting` and drop their links), then resume."""
+        adopted = list(self._members.values())
+        await asyncio.gather(*(self._first_ping(m) for m in adopted))
+        if not self.intent.stopped:
+            for member in adopted:
+                self._start_task(self._monitor(member))
+                if member.state is MemberState.DRAINING:
+                    self._start_task(self._drain(member))
+            for role in ROLES:
+                self._reconcile(role)
+        self._bump()
+        self._recovered.set()
+
+    async def _first_ping(self, member: Member) -> None:
+        with contextlib.suppress(Exception):  # restarting or hung: the monitor decides
+            info = await asyncio.wait_for(self._handles[member.member_id].ping.remote(),
+                                          self.config.health_timeout_s)
+            member.observe(info)
+
+    def _reconcile(self, role: str) -> tuple[list[Member], list[asyncio.Task]]:
+        """Spawn or drain `role` members until the desired count is not draining."""
+        n = self.intent.replicas[role]
+        active = [m for m in self._members.values()
+                  if m.role == role and m.state is not MemberState.DRAINING]
+        started = [self._spawn(role) for _ in range(n - len(active))]
+        # drain the least loaded first, newest on ties
+        victims = sorted(active, key=lambda m: (m.load, -_index(m)))[:max(0, len(active) - n)]
+        return started, [self._start_task(self._drain(m)) for m in victims]
 
     # -- internals ----------------------------------------------------------------------
     def _spawn(self, role: str) -> Member:
-        member = Member(f"{role}-{next(self._ids[role])}", role)
+        member = Member(self.intent.new_id(role), role)
+        self.intent.members.append(member.member_id)
+        self._save()  # NOTE: before the actor exists, so no restart can lose track of it
         rc = self.config.role(role)
         cls = DrafterActor if role == "drafter" else VerifierActor
         handle = ray.remote(cls).options(
-            name=f"chainspec-{member.member_id}", namespace=self.config.namespace,
-            max_restarts=rc.max_restarts, num_gpus=rc.num_gpus, num_cpus=rc.num_cpus,
+            name=actor_name(member.member_id), namespace=self.config.namespace,
+            lifetime="detached", max_restarts=rc.max_restarts, num_gpus=rc.num_gpus,
+            num_cpus=rc.num_cpus,
             resources=role_resources(self.config, role, ray.cluster_resources())
         ).remote(member.member_id, self.config)
         self._members[member.member_id], self._handles[member.member_id] = member, handle
         self._start_task(self._monitor(member))
         self._bump()
         return member
+
+    def _save(self) -> None:
+        self._store.save(self.intent)
 
 
     async def _monitor(self, member: Member) -> None:
@@ -170,6 +257,9 @@ class Controller:
             await asyncio.sleep(self.config.health_interval_s)
 
     async def _drain(self, member: Member) -> None:
+        if member.member_id not in self.intent.draining:
+            self.intent.draining.append(member.member_id)
+            self._save()
         member.state = MemberState.DRAINING
         self._bump()
         version = self.version
@@ -198,6 +288,8 @@ class Controller:
         self._heartbeats.pop(member_id, None)
         if handle is not None:
             ray.kill(handle, no_restart=True)
+        if self.intent.forget(member_id):  # NOTE: after the kill, never before
+            self._save()
         self._bump()
 
     async def _wait_started(self, started: list[Member]) -> None:
@@ -233,3 +325,14 @@ def role_resources(config: StackConfig, role: str, cluster: dict[str, float]
 
 def _index(member: Member) -> int:
     return int(member.member_id.rsplit("-", 1)[1])
+
+
+def _kill_members(namespace: str, member_ids: list[str]) -> None:
+    """Kill (no restarts) the listed members and any other member actor named in
+    `namespace`: detached actors never die on their own."""
+    names = {actor_name(m) for m in member_ids}
+    names |= {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["namespace"] == namespace and MEMBER_NAME.fullmatch(a["name"])}
+    for name in names:
+        with contextlib.suppress(ValueError):  # already gone
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
