@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from chainspec.cluster import stack
 from chainspec.commands.stack_args import add_connect_args, namespace
@@ -24,7 +25,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         stack.down(args.address, namespace(args))
     except stack.StackError as e:
-        print(f"chainspec down: {e}")
+        print(f"chainspec down: {e}", file=sys.stderr)
         return 1
-    print("stack stopped")
+    target = stack.target_of(namespace(args))
+    if args.json:
+        print(json.dumps({"address": target.address, "namespace": target.namespace,
+                          "stopped": True}, indent=2))
+    else:
+        print(f"stopped {target}")
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -68,13 +69,16 @@ def run(args: argparse.Namespace) -> int:
     from chainspec.serving.runner import LoopThread
 
     lost = threading.Event()
+    token = read_token(args)
     if source is None:
-        from chainspec.cluster import stack
-        from chainspec.gateway.membership import ControllerVerifiers
-        source = ControllerVerifiers(stack.connect(args.address, args.namespace), lost.set)
+        try:
+            source, token = _join_stack(args, token, lost.set)
+        except Exception as e:  # StackError, or the stack vanished while we asked
+            print(f"chainspec gateway: {e}", file=sys.stderr)
+            return 1
     loop = LoopThread()
     server = loop.run(GatewayServer.start(config, source, ChatTemplate.from_model_dir(args.model),
-                                          ClientOptions(auth_token=read_token(args),
+                                          ClientOptions(auth_token=token,
                                                         tls_ca=args.tls_ca,
                                                         tls_cert=args.tls_cert,
                                                         tls_key=args.tls_key)))
@@ -87,3 +91,17 @@ def run(args: argparse.Namespace) -> int:
     loop.run(server.stop(), timeout=30)
     loop.close()
     return 0
+
+
+def _join_stack(args: argparse.Namespace, token: str | None, on_lost):
+    """The running stack's membership (this gateway joins it; stopping the gateway
+    leaves it, never stops the stack) and the service token: the given one, else the
+    stack's own (a local stack's random default)."""
+    from chainspec.cluster import stack
+    from chainspec.gateway.membership import ControllerVerifiers
+
+    controller = stack.connect(args.address, args.namespace)
+    if token is None:
+        token = stack.config(args.address, args.namespace).auth_token
+    print(f"gateway joining {stack.target_of(args.namespace)}", file=sys.stderr, flush=True)
+    return ControllerVerifiers(controller, on_lost), token

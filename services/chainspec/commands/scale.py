@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from chainspec.cluster import stack
 from chainspec.commands.stack_args import add_connect_args, namespace, print_members
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         members = stack.scale(ROLES[args.role], args.replicas, args.address, namespace(args),
                               args.wait)
     except stack.StackError as e:
-        print(f"chainspec scale: {e}")
+        print(f"chainspec scale: {e}", file=sys.stderr)
         return 1
-    print_members(members, args.json)
+    print_members(members, args.json, stack.target_of(namespace(args)))
     return 0

@@ -131,6 +131,7 @@ def usage_text(serving) -> str:
     return "\n".join([
         f"\nchainspec is serving {serving.model_name()!r} at {url} "
         f"(OpenAI-compatible: base_url {url}/v1)",
+        f"  stack:  {serving.target}",
         f"  try:    {serving.curl_example()}",
         f"  health: curl {url}/health",
         f"  from another shell: chainspec status{ns} | chainspec scale drafters 2{ns} "

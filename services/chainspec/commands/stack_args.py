@@ -25,8 +25,9 @@ _ROLE_OVERRIDES = {"drafters": ("drafter", "replicas"), "verifiers": ("verifier"
 
 def add_connect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None,
-                   help="Ray address of the cluster (default: the stack's state file, "
-                        "then $RAY_ADDRESS, then a local cluster)")
+                   help="Ray address of the stack's cluster (`auto`: the local Ray); "
+                        "default: the namespace's state file, written by `up`/`serve`. "
+                        "Without either the command refuses: it never guesses a stack")
     p.add_argument("--namespace", default=None, help=f"Ray namespace (default: {NAMESPACE})")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--dry-run", action="store_true",
@@ -86,10 +87,15 @@ def namespace(args: argparse.Namespace) -> str:
     return args.namespace or NAMESPACE
 
 
-def print_members(members: list[dict[str, Any]], as_json: bool) -> None:
+def print_members(members: list[dict[str, Any]], as_json: bool, target=None) -> None:
+    """The members as a table or JSON; `target` (a `stack.Target`) is the stack they
+    belong to: the first line of the table, `address` and `namespace` in the JSON."""
     if as_json:
-        print(json.dumps({"members": jsonable(members)}, indent=2))
+        where = {"address": target.address, "namespace": target.namespace} if target else {}
+        print(json.dumps({**where, "members": jsonable(members)}, indent=2))
         return
+    if target is not None:
+        print(target)
     cols = ("member_id", "role", "state", "endpoint", "load", "pid", "node")
     rows = [cols] + [tuple(str(m.get(c)) for c in cols) for m in members]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from chainspec.cluster import stack
 from chainspec.commands.stack_args import add_connect_args, namespace, print_members
@@ -12,7 +13,9 @@ from chainspec.commands.stack_args import add_connect_args, namespace, print_mem
 def add_parser(sub) -> list[str]:
     p = sub.add_parser("status", help="show the members of a running stack",
                        description="Members with role, endpoint, state, load, pid, node and "
-                                   "metrics_url; --json prints {\"members\": [...]}.")
+                                   "metrics_url, after a line naming the stack; --json "
+                                   "prints {\"address\", \"namespace\", \"members\": "
+                                   "[...]}.")
     add_connect_args(p)
     return ["status"]
 
@@ -25,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         members = stack.status(args.address, namespace(args))
     except stack.StackError as e:
-        print(f"chainspec status: {e}")
+        print(f"chainspec status: {e}", file=sys.stderr)
         return 1
-    print_members(members, args.json)
+    print_members(members, args.json, stack.target_of(namespace(args)))
     return 0

@@ -55,16 +55,16 @@ def run(args: argparse.Namespace) -> int:
     except stack.StackError as e:
         print(f"chainspec up: {e}", file=sys.stderr)
         return 1
-    print_members(members, args.json)
+    print_members(members, args.json, stack.target_of(config.namespace))
     if args.detach:
         return 0
-    print("stack up; Ctrl-C stops it", flush=True)
+    print("stack up; Ctrl-C stops it", file=sys.stderr, flush=True)  # stdout: JSON
     _wait_for_signal()
     try:
         stack.down(namespace=config.namespace)
     except stack.StackNotFound:
         pass  # stopped from elsewhere
-    print("stack stopped", flush=True)
+    print("stack stopped", file=sys.stderr, flush=True)
     return 0
 
 
@@ -94,8 +94,10 @@ def _up_in_background(config: StackConfig, timeout_s: float, as_json: bool) -> i
     while time.monotonic() < deadline:
         state = stack.read_state(config.namespace)
         if state is not None and state.owner_pid == child.pid:
-            print(f"stack up in the background (pid {child.pid}, log {log_path})")
-            print_members(stack.status(namespace=config.namespace), as_json)
+            print(f"stack up in the background (pid {child.pid}, log {log_path})",
+                  file=sys.stderr)
+            print_members(stack.status(namespace=config.namespace), as_json,
+                          stack.target_of(config.namespace))
             return 0
         if child.poll() is not None:
             break

@@ -52,6 +52,7 @@ class ServingStack:
                  loop: LoopThread) -> None:
         self.config, self.members, self.embedded, self.loop = config, members, embedded, loop
         self.gateway: GatewayServer | None = None
+        self.target: stack.Target | None = None  # the stack it runs: Ray address, namespace
         self.lost = threading.Event()
         self._stopped = False
 
@@ -82,11 +83,13 @@ class ServingStack:
     def _start_gateway(self, progress: Progress) -> None:
         c = self.config
         controller = stack.connect(c.address, c.stack.namespace)
+        self.target = stack.target_of(c.stack.namespace)
+        running = stack.config(c.address, c.stack.namespace)  # NOTE: with the stack's token
         chat = ChatTemplate.from_model_dir(c.stack.model_dir) \
             if Path(c.stack.model_dir).is_dir() else ChatTemplate()
         source = ControllerVerifiers(controller, on_lost=self.lost.set)
         self.gateway = self.loop.run(GatewayServer.start(
-            c.gateway, source, chat, c.stack.client_options()))
+            c.gateway, source, chat, running.client_options()))
         want = 1 if c.stack.drafter.replicas > 0 else 0
         progress.step(f"gateway listening on {self.url}; waiting for a verifier to serve"
                       + (" with its drafters connected" if want else ""))
