@@ -8,11 +8,17 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
+# NOTE: pip runs without -q: the first install takes minutes (torch alone is large), and
+# its Collecting/Downloading/Installing lines show that it is moving.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || { echo "make: creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	@echo "make: installing chainspec and its dependencies into $(VENV)" \
+		"(first run: a few minutes, mostly torch)..."
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -e '.[test]'
 	touch $(STAMP)
+	@echo "make: $(VENV) is ready; the CLI is $(VENV)/bin/chainspec" \
+		"(or: source $(VENV)/bin/activate)"
 
 demo: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m chainspec.demo
