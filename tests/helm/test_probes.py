@@ -84,3 +84,15 @@ def test_mtls_without_probes_renders_no_probes_and_no_drafter_client_secret():
     assert drafter == {"tls-server"}, "a drafter needs the client pair only to probe itself"
     probed = {m["name"] for m in _container(template(*tls), "drafter")[1]["volumeMounts"]}
     assert probed == {"tls-server", "tls-client"}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_autoscaled_roles_have_no_liveness_probe(case, booted):
+    """A drained actor leaves its autoscaled pod idle until the autoscaler removes it;
+    a liveness probe on the actor's port would restart the pod instead."""
+    for role in ROLES:
+        group = worker_group(booted(case).docs, role)
+        c = group["template"]["spec"]["containers"][0]
+        if "readinessProbe" in c:
+            autoscaled = "replicas" not in group
+            assert ("livenessProbe" in c) != autoscaled, (role, autoscaled)

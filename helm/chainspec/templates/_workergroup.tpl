@@ -98,10 +98,14 @@ their value blocks mean the same thing. Call with (dict "ctx" $ "role" "drafter"
             {{- $check | nindent 12 }}
             periodSeconds: 5
             failureThreshold: 2
+          {{- if not $v.autoscaling }}
+          {{- /* NOTE: an autoscaled pod whose actor was drained away serves no gRPC until
+          the autoscaler removes it (idleTimeoutSeconds); liveness would restart it */}}
           livenessProbe:
             {{- $check | nindent 12 }}
             periodSeconds: 10
             failureThreshold: 6
+          {{- end }}
           {{- end }}
           {{- with $v.env }}
           env:
