@@ -4,7 +4,8 @@
 them has sent the first message, so everything that can go wrong before the first token
 (bad input, a full or draining verifier) is still an HTTP status. A full
 (RESOURCE_EXHAUSTED) or draining/unreachable (UNAVAILABLE) verifier passes the request on
-to the next one; when none is left the answer is 429 resp. 503. `close()` cancels the
+to the next one; when none is left the answer is 429 resp. 503. (gRPC's own message-size
+limit is also RESOURCE_EXHAUSTED; that one is 413 at once.) `close()` cancels the
 gRPC call, which aborts the request in the verifier and releases it in the drafters.
 """
 
@@ -19,7 +20,7 @@ from chainspec.gateway.errors import APIError, from_grpc, unavailable
 from chainspec.gateway.routing import VerifierHandle, VerifierPool
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 
-RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+RETRY_STATUSES = (429, 503)  # a full or draining verifier: the next one may take it
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class GenerationSpec:
     ignore_eos: bool
 
     def message(self) -> pb.GenerateRequest:
+        # NOTE: every value is already in its wire range (schemas: uint32 counts, uint64
+        # seed, UTF-8 text), so the proto assignments below cannot raise
         req = pb.GenerateRequest(request_id=self.request_id)
         if isinstance(self.prompt, str):
             req.text = self.prompt
@@ -98,8 +101,8 @@ async def open_generation(pool: VerifierPool, spec: GenerationSpec, prompt_field
         except grpc.aio.AioRpcError as e:
             pool.release(handle)
             error = from_grpc(e, prompt_field, retry_after_s)
-            if e.code() not in RETRYABLE:
-                raise error from None
+            if error.status not in RETRY_STATUSES:  # NOTE: not every RESOURCE_EXHAUSTED
+                raise error from None  # is a full server (413: over gRPC's message limit)
             if e.code() is grpc.StatusCode.UNAVAILABLE:
                 pool.mark_unavailable(handle)
             last = error if last is None or last.status != 429 else last

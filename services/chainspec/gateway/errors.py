@@ -3,7 +3,8 @@ from the verifier's gRPC status codes.
 
 Body: `{"error": {"message", "type", "param", "code"}}`. A message about one field starts
 with the field's name as the client spelled it (`max_tokens: ...`, `messages[1].role: ...`)
-and `param` carries the same name.
+and `param` carries the same name. Text that cannot be UTF-8 (lone surrogates the client
+sent) is shown backslash-escaped, so every error body can be encoded.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, type_: str, param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        message, param = printable(message), printable(param)
         super().__init__(message)
         self.status, self.message, self.type = status, message, type_
         self.param, self.code, self.headers = param, code, headers or {}
@@ -25,6 +27,12 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+def field_name(path) -> str | None:
+    """A field's HTTP name from its path: ("messages", 0, "content") -> messages[0].content."""
+    name = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+    return name.removeprefix(".") or None
 
 
 def invalid(param: str | None, message: str, code: str = "invalid_value") -> APIError:
@@ -49,6 +57,23 @@ def overloaded(message: str, retry_after_s: int) -> APIError:
 def unavailable(message: str, retry_after_s: int = 1) -> APIError:
     return APIError(503, message, "service_unavailable", None, "unavailable",
                     {"Retry-After": str(retry_after_s)})
+
+
+def too_large(message: str) -> APIError:
+    return APIError(413, message, "invalid_request_error", None, "request_too_large")
+
+
+def unsupported_media_type(content_type: str) -> APIError:
+    return APIError(415, f"the request body must be JSON (Content-Type: application/json), "
+                         f"got {content_type!r}", "invalid_request_error", None,
+                    "unsupported_media_type")
+
+
+def printable(text: str | None) -> str | None:
+    """`text` with lone surrogates escaped (`\\ud800`), so it encodes as UTF-8."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def not_found(path: str) -> APIError:
@@ -82,12 +107,14 @@ def from_grpc(error: grpc.aio.AioRpcError, prompt_field: str, retry_after_s: int
     code, details = error.code(), error.details() or code_name(error.code())
     if code is grpc.StatusCode.INVALID_ARGUMENT:
         param, message = http_param(details, prompt_field)
-        kind = "context_length_exceeded" if "do not fit the context" in message \
-            else "invalid_value"
+        kind = "context_length_exceeded" if "fit the context" in message else "invalid_value"
         return invalid(param, message, kind)
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return APIError(401, f"the verifier refused the gateway: {details}",
                         "authentication_error", None, "unauthenticated")
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in details:
+        # NOTE: gRPC's own message-size limit, not a full server: no retry can succeed
+        return too_large(f"the request is too large for the verifier: {details}")
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
         return overloaded(f"the server is at capacity: {details}", retry_after_s)
     if code is grpc.StatusCode.UNAVAILABLE:
