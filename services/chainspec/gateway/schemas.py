@@ -5,23 +5,42 @@ Fields OpenAI defines and this server cannot honour (n > 1, logprobs, tools, pen
 OpenAI's own API does for forward compatibility. Extensions: `top_k` (0 or -1: off) and
 `ignore_eos`. Defaults follow OpenAI: temperature 1, top_p 1; completions default to 16
 tokens, chat to the verifier's default (both clamped to the context the prompt leaves).
+
+Types are strict: a boolean is JSON true/false, a number a JSON number (`"yes"`, `1` for a
+boolean and `"5"`, `true` for a number are 400). Every value is bounded to the range of
+its wire field (`verifier.proto`: uint32 `max_tokens`, `top_k` and token ids, uint64
+`seed`) before `GenerationSpec.message` converts it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    ValidationError,
+    field_validator,
+)
 
-from chainspec.gateway.errors import APIError, invalid, unsupported
+from chainspec.gateway.errors import APIError, field_name, invalid, unsupported
 
 MAX_STOP_STRINGS = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+UINT32 = 2 ** 32  # bounds of the wire's integer fields (exclusive)
+UINT64 = 2 ** 64
+
+Int = Annotated[int, Strict()]  # a JSON integer: not true, "5" or 5.0
+Float = Annotated[float, Strict()]  # a JSON number: not true or "0.5"
+Bool = StrictBool  # JSON true or false only
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class _Sampling(BaseModel):
@@ -30,18 +49,18 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
-    seed: int | None = Field(None, ge=0, lt=2 ** 64)
+    max_tokens: Int | None = Field(None, ge=1, lt=UINT32)
+    temperature: Float = Field(1.0, ge=0, le=2)
+    top_p: Float = Field(1.0, gt=0, le=1)
+    top_k: Int = Field(0, ge=-1, lt=UINT32)
+    seed: Int | None = Field(None, ge=0, lt=UINT64)
     stop: list[str] = Field(default_factory=list)
-    n: int = 1
-    stream: bool = False
+    n: Int = 1
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    ignore_eos: Bool = False
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -78,10 +97,10 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: Any = None
-    echo: bool = False
+    echo: Bool = False
     suffix: str | None = None
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Int | None = None
+    best_of: Int | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -133,9 +152,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_completion_tokens: Int | None = Field(None, ge=1, lt=UINT32)
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -160,7 +179,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 def _is_token(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2 ** 32
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < UINT32
 
 
 def parse(model: type[_Sampling], body: Any) -> Any:
@@ -178,9 +197,9 @@ def parse(model: type[_Sampling], body: Any) -> Any:
 def _first_error(e: ValidationError) -> APIError:
     err = e.errors()[0]
     loc = [part for part in err["loc"] if part not in ("str", "list[ContentPart]")]
-    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    param = field_name(loc)
     message = err["msg"].removeprefix("Value error, ")
     if err["type"] == "missing":
         message = "is required"
-    return invalid(param or None, message, "missing" if err["type"] == "missing" else
+    return invalid(param, message, "missing" if err["type"] == "missing" else
                    "invalid_value")
