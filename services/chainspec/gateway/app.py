@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from chainspec.gateway.body_limit import BodyLimit
 from chainspec.gateway.chat_template import ChatTemplate
 from chainspec.gateway.client import GenerationSpec, GenerationStream, open_generation
 from chainspec.gateway.config import GatewayConfig
@@ -154,6 +155,7 @@ def build_app(gateway: Gateway) -> StatusMetrics:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
+    app.add_middleware(BodyLimit, max_bytes=gateway.config.max_body_bytes)
     return StatusMetrics(app, gateway.metrics)
 
 

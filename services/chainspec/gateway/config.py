@@ -20,6 +20,7 @@ class GatewayConfig:
     retry_after_s: int = 1  # Retry-After of 429 and 503 answers
     request_timeout_s: float = 600.0  # deadline of one request at the verifier
     refresh_interval_s: float = 1.0  # how often verifiers' health and load are polled
+    max_body_bytes: int = 8 * 2 ** 20  # a larger request body is 413, refused unread
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -32,6 +33,8 @@ class GatewayConfig:
             raise ValueError(f"gateway.max_in_flight must be >= 1, got {self.max_in_flight}")
         if self.retry_after_s < 0:
             raise ValueError(f"gateway.retry_after_s must be >= 0, got {self.retry_after_s}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"gateway.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.request_timeout_s <= 0 or self.refresh_interval_s <= 0:
             raise ValueError("gateway.request_timeout_s and refresh_interval_s must be > 0")
 

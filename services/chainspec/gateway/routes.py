@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from chainspec.gateway.app import Gateway
 from chainspec.gateway.auth import check_api_key
+from chainspec.gateway.body import read_json
 from chainspec.gateway.chat_template import Turn
-from chainspec.gateway.errors import invalid
 from chainspec.gateway.responses import ChatFormat, CompletionFormat
 from chainspec.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
 
@@ -25,17 +23,10 @@ def _gateway(request: Request) -> Gateway:
     return gateway
 
 
-async def _json(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise invalid(None, f"the request body is not valid JSON: {e}") from None
-
-
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     gateway = _gateway(request)
-    body = parse(CompletionRequest, await _json(request))
+    body = parse(CompletionRequest, await read_json(request))
     prompt = body.prompt_value()
     model = gateway.resolve_model(body.model)
     spec = gateway.new_spec(body, prompt, "cmpl-")
@@ -45,7 +36,7 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     gateway = _gateway(request)
-    body = parse(ChatCompletionRequest, await _json(request))
+    body = parse(ChatCompletionRequest, await read_json(request))
     prompt = gateway.chat.render([Turn(m.role, m.text()) for m in body.messages])
     model = gateway.resolve_model(body.model)
     spec = gateway.new_spec(body, prompt, "chatcmpl-")
