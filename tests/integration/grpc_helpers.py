@@ -14,6 +14,7 @@ import grpc
 
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from chainspec.rpc.channel import DEFAULT_CLIENT_OPTIONS, ClientOptions, make_channel
+from chainspec.rpc.draft_codec import stream_metadata
 from chainspec.rpc.drafter_service import serve_drafter
 from chainspec.rpc.generated.v1 import drafter_pb2 as pb
 from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
@@ -52,10 +53,13 @@ def start_drafter(loop: LoopThread, engine, name: str = "tiny", **server) -> Run
 class DraftStream:
     """One Draft stream, driven in lockstep: `ask` sends a request, returns its answer."""
 
-    def __init__(self, target: str, opts: ClientOptions = DEFAULT_CLIENT_OPTIONS) -> None:
+    def __init__(self, target: str, opts: ClientOptions = DEFAULT_CLIENT_OPTIONS,
+                 max_seqs: int | None = None) -> None:
         self.channel = make_channel(target, opts)
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
-        self.responses = pb_grpc.DrafterStub(self.channel).Draft(iter(self.requests.get, None))
+        metadata = stream_metadata(max_seqs) if max_seqs is not None else None
+        self.responses = pb_grpc.DrafterStub(self.channel).Draft(iter(self.requests.get, None),
+                                                                 metadata=metadata)
 
     def ask(self, request: pb.DraftRequest) -> pb.DraftResponse:
         self.requests.put(request)

@@ -206,7 +206,7 @@ def test_bad_update_fails_alone(server, pair, case: Case) -> None:
 def test_one_stream_survives_every_bad_input(server, pair) -> None:
     """All cases in one stream, one per request, while the good sequence keeps drafting."""
     good = Good.make(pair[1], rounds=2 * len(CASES) + 1, seed=3)
-    stream = DraftStream(server.address)
+    stream = DraftStream(server.address, max_seqs=8)  # sequences of earlier cases linger
     try:
         good.check(0, stream.ask(request(0, good.updates[0])))
         step = 1
@@ -297,7 +297,7 @@ def test_oversize_message_ends_stream_with_resource_exhausted(server, pair) -> N
 
 def test_full_drafter_answers_resource_exhausted_per_sequence(loop, pair) -> None:
     running = start_drafter(loop, drafter_engine(pair[1], k=K, max_seqs=2))
-    stream = DraftStream(running.address)
+    stream = DraftStream(running.address, max_seqs=3)  # the drafter is full, not the stream
     try:
         r = stream.ask(request(1, *(script(s, 0, s)[0] for s in (1, 2, 3))))
         kinds = {s: r.WhichOneof("outcome") for s, r in results_by_seq(r).items()}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from chainspec.rpc.codec import (
+    FLOAT_DTYPES,
     WireDType,
     WireError,
     check_tokens,
@@ -169,6 +170,8 @@ BAD_TENSORS = [
     ("negative scale", _msg([1, 1], dtype=4, scales=np.array([-1], "<f4").tobytes()), {},
      "scale -1.0 of row 0"),
     ("scales on f32", _msg([1, 1], scales=_ONE_SCALE), {}, "F32 data takes no scales"),
+    ("int32 where floats", _msg([1, 2], dtype=6), {"allowed": FLOAT_DTYPES},
+     "dtype INT32 is not allowed here; expected one of F32, F16, BF16, INT8, FP8_E4M3"),
 ]
 
 

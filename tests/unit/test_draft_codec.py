@@ -86,6 +86,8 @@ BAD_UPDATES = [
     ("wrong hidden size", lambda m: m.hidden.shape.__setitem__(1, H + 1), "expected shape [n, 8]"),
     ("nan hidden", lambda m: m.hidden.CopyFrom(
         dc.encode_tensor(torch.full((2, H), float("nan")))), "non-finite value nan"),
+    ("int32 hidden", lambda m: m.hidden.CopyFrom(dc.encode_tensor(torch.ones(2, H).int())),
+     "hidden: dtype INT32 is not allowed here; expected one of F32, F16, BF16, INT8"),
     ("too many rows", lambda m: (m.ClearField("tokens"), m.tokens.extend([1] * 17),
                                  m.hidden.CopyFrom(dc.encode_tensor(torch.zeros(17, H)))),
      "17 rows exceed the limit of 16"),
@@ -169,6 +171,10 @@ BAD_DRAFTS = [
     ("draft with zero prob", lambda d: d.probs.CopyFrom(_probs([[0.0, 1.0]] + [[0.5, 0.5]] * 2)),
      "tokens[0] = 5 has no probability"),
     ("nan probs", lambda d: d.probs.CopyFrom(_probs([[float("nan"), 1.0]] * 3)), "non-finite"),
+    ("float support", lambda d: d.support.CopyFrom(dc.encode_tensor(
+        torch.tensor([[5.0, 9.0], [1.0, 2.0], [7.0, 99.0]]))), "support: dtype F32 is not allowed"),
+    ("bf16 probs", lambda d: d.probs.CopyFrom(dc.encode_tensor(torch.full((3, 2), 0.5), "bf16")),
+     "probs: dtype BF16 is not allowed"),
 ]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -62,6 +62,11 @@ class WireDType(enum.Enum):
     @property
     def quantized(self) -> bool:
         return self in (WireDType.INT8, WireDType.FP8_E4M3)
+
+
+# What may carry real numbers (hidden states, probabilities): never INT32.
+FLOAT_DTYPES = frozenset({WireDType.F32, WireDType.F16, WireDType.BF16, WireDType.INT8,
+                          WireDType.FP8_E4M3})
 
 
 _ITEMSIZE = {WireDType.F32: 4, WireDType.F16: 2, WireDType.BF16: 2, WireDType.INT8: 1,
@@ -170,15 +175,17 @@ def _quantize(x: torch.Tensor, wire: WireDType) -> tuple[torch.Tensor, torch.Ten
 
 def decode_tensor(msg: tensor_pb.Tensor, *, name: str = "tensor",
                   expect_cols: int | None = None, max_rows: int | None = None,
-                  dtype: torch.dtype | None = None, finite: bool = True) -> torch.Tensor:
+                  dtype: torch.dtype | None = None, finite: bool = True,
+                  allowed: Collection[WireDType] | None = None) -> torch.Tensor:
     """Decode and validate `msg`; returns a fresh, writable CPU tensor of `dtype`.
 
     Default dtype: float32 for float and quantized data, int64 for INT32. `expect_cols`
-    requires shape [n, expect_cols]; `max_rows` bounds n; `finite` rejects NaN/Inf.
+    requires shape [n, expect_cols]; `max_rows` bounds n; `finite` rejects NaN/Inf;
+    `allowed` (default: any) are the wire dtypes the field may have.
     `name` is the field named in error messages ("updates[3].hidden").
     """
     arr = decode_array(msg, name=name, expect_cols=expect_cols, max_rows=max_rows,
-                       finite=finite)
+                       finite=finite, allowed=allowed)
     out = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
     return out.to(dtype or _default_dtype(arr))
 
@@ -199,12 +206,16 @@ def _default_dtype(arr: np.ndarray) -> torch.dtype:
 
 def decode_array(msg: tensor_pb.Tensor, *, name: str = "tensor",
                  expect_cols: int | None = None, max_rows: int | None = None,
-                 finite: bool = True) -> np.ndarray:
+                 finite: bool = True,
+                 allowed: Collection[WireDType] | None = None) -> np.ndarray:
     """Validated elements of `msg` in its shape: float32, or int32 for INT32 data.
 
     The array may be a read-only view of the message's bytes; see decode_tensor.
     """
     wire = _wire_dtype(msg, name)
+    if allowed is not None and wire not in allowed:
+        raise invalid(f"{name}: dtype {wire.name} is not allowed here; expected one of "
+                      f"{', '.join(d.name for d in WireDType if d in allowed)}")
     shape = tuple(msg.shape)
     _check_shape(shape, name, expect_cols, max_rows)
     numel = math.prod(shape)

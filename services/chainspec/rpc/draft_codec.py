@@ -25,6 +25,7 @@ from chainspec.engine.draft_types import (
     SeqUpdate,
 )
 from chainspec.rpc.codec import (
+    FLOAT_DTYPES,
     WireDType,
     WireError,
     check_tokens,
@@ -39,6 +40,15 @@ from chainspec.rpc.generated.v1 import drafter_pb2 as pb
 
 # Tolerance on the row sums of a sampled draft distribution.
 PROB_SUM_TOL = 1e-3
+# Draft stream metadata: how many sequences the verifier will hold on the stream.
+MAX_SEQS_KEY = "x-chainspec-max-seqs"
+
+
+def stream_metadata(max_seqs: int) -> tuple[tuple[str, str], ...]:
+    """Metadata of a Draft stream whose verifier holds at most `max_seqs` sequences."""
+    if max_seqs < 1:
+        raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
+    return ((MAX_SEQS_KEY, str(max_seqs)),)
 
 
 @dataclass(frozen=True)
@@ -124,7 +134,7 @@ def _parse_update(msg: pb.SequenceUpdate, limits: DraftLimits,
     if not msg.HasField("hidden"):
         raise invalid(f"{name}.hidden: missing; {len(tokens)} token(s) need {len(tokens)} rows")
     hidden = decode_array(msg.hidden, name=f"{name}.hidden", expect_cols=limits.hidden_size,
-                          max_rows=limits.max_rows)  # [n, H]
+                          max_rows=limits.max_rows, allowed=FLOAT_DTYPES)  # [n, H]
     if hidden.shape[0] != len(tokens):
         raise invalid(f"{name}: {len(tokens)} tokens but {hidden.shape[0]} hidden rows; "
                       f"they must match")
@@ -230,11 +240,13 @@ def decode_drafts(msg: pb.Drafts, limits: DraftLimits, name: str = "drafts") -> 
         raise invalid(f"{name}: support and probs must both be set or both be absent")
     support = probs = None
     if msg.HasField("support"):
-        support = decode_tensor(msg.support, name=f"{name}.support")  # [K, k]
+        support = decode_tensor(msg.support, name=f"{name}.support",
+                                allowed=(WireDType.INT32,))  # [K, k]
         k = support.shape[-1]
         if support.dim() != 2 or support.shape[0] != K:
             raise invalid(f"{name}.support: expected shape [{K}, k], got {list(support.shape)}")
-        probs = decode_tensor(msg.probs, name=f"{name}.probs", expect_cols=k)  # [K, k]
+        probs = decode_tensor(msg.probs, name=f"{name}.probs", expect_cols=k,
+                              allowed=(WireDType.F32,))  # [K, k]
         if probs.shape[0] != K:
             raise invalid(f"{name}.probs: expected shape [{K}, {k}], got {list(probs.shape)}")
         _check_support(tokens, support, probs, limits, name)

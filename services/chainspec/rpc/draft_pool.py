@@ -40,7 +40,12 @@ from chainspec.engine.draft_types import (
 )
 from chainspec.rpc.channel import DEFAULT_CLIENT_OPTIONS, ClientOptions, make_channel
 from chainspec.rpc.codec import WireDType
-from chainspec.rpc.draft_codec import DraftLimits, decode_draft_response, encode_draft_request
+from chainspec.rpc.draft_codec import (
+    DraftLimits,
+    decode_draft_response,
+    encode_draft_request,
+    stream_metadata,
+)
 from chainspec.rpc.generated.v1 import drafter_pb2 as pb
 from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
 
@@ -212,7 +217,9 @@ class GrpcDraftClient:
         link.limits = DraftLimits(info.hidden_size, info.vocab_size, info.num_draft_tokens,
                                   max_top_k=info.max_top_k or None)
         link.capacity, link.state, link.open = info.capacity, LinkState.LIVE, True
-        responses = stub.Draft(iter(link.requests.get, _CLOSE))
+        # NOTE: declares what routing lets it hold (see _route); beyond that, refused
+        responses = stub.Draft(iter(link.requests.get, _CLOSE),
+                               metadata=stream_metadata(max(1, link.capacity)))
         threading.Thread(target=self._read, args=(link, responses), daemon=True,
                          name=f"draft-pool-{endpoint}").start()
         return link

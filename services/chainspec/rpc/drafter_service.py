@@ -6,7 +6,10 @@ the event loop only moves messages. A stream's requests are answered one at a ti
 order, exactly once each.
 
 Sequence ids are scoped per stream: each stream maps the verifier's `seq_id`s to
-engine-unique ids, and everything the stream holds is released when it ends.
+engine-unique ids (errors name the verifier's), and everything the stream holds is
+released when it ends. A stream holds at most the sequences its verifier declared in the
+`x-chainspec-max-seqs` metadata, or a fair share of the drafter when undeclared; a new
+sequence beyond that is refused RESOURCE_EXHAUSTED for that sequence alone.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import itertools
+import re
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
@@ -32,7 +36,9 @@ from chainspec.engine.draft_types import (
 from chainspec.engine.drafter import DrafterEngine
 from chainspec.engine.fingerprint import model_fingerprint
 from chainspec.metrics.drafter import DrafterMetrics
+from chainspec.rpc.codec import WireError, invalid
 from chainspec.rpc.draft_codec import (
+    MAX_SEQS_KEY,
     DraftLimits,
     decode_draft_request,
     encode_draft_response,
@@ -43,6 +49,27 @@ from chainspec.rpc.server import RunningServer, ServerOptions, start_server
 
 DRAFTER_SERVICE = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 WARMUP_SEQ = -1  # engine ids from streams are >= 0
+UNDECLARED_SHARE = 4  # an undeclared stream may hold 1/4 of the drafter (at least 1)
+
+
+@dataclass(eq=False)
+class _Stream:
+    """What one Draft stream holds: the verifier's seq_id -> engine id, and its bound."""
+
+    limit: int
+    ids: dict[int, int] = field(default_factory=dict)
+
+
+def stream_limit(metadata, capacity: int) -> int:
+    """Sequences a stream may hold: what its verifier declared in `x-chainspec-max-seqs`,
+    else a fair share of `capacity`. Raises WireError for a value that is no count."""
+    for key, value in metadata or ():
+        if key == MAX_SEQS_KEY:
+            text = value.decode(errors="replace") if isinstance(value, bytes) else value
+            if not (text.isascii() and text.isdigit() and 1 <= int(text) < 2 ** 31):
+                raise invalid(f"{MAX_SEQS_KEY}: expected a positive integer, got {text!r}")
+            return int(text)
+    return max(1, capacity // UNDECLARED_SHARE)
 
 
 def chainspec_version() -> str:
@@ -72,7 +99,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     # -- rpc methods ------------------------------------------------------------------
     async def Draft(self, request_iterator, context):
-        stream: dict[int, int] = {}  # the verifier's seq_id -> engine id
+        try:
+            limit = stream_limit(context.invocation_metadata(), self.engine.config.max_seqs)
+        except WireError as e:
+            await context.abort(e.code, e.message)
+        stream = _Stream(limit)
         loop = asyncio.get_running_loop()
         try:
             async for request in request_iterator:
@@ -115,7 +146,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         """After the server stopped: finish queued jobs (stream releases among them)."""
         self.worker.shutdown(wait=True)
 
-    def _forget_stream(self, stream: dict[int, int]) -> None:
+    def _forget_stream(self, stream: _Stream) -> None:
         try:
             # NOTE: queued behind any job still running for this stream (one FIFO thread)
             self.worker.submit(self._release_stream, stream)
@@ -123,7 +154,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             self._release_stream(stream)
 
     # -- one request, on the worker thread -------------------------------------------
-    def answer(self, stream: dict[int, int], request: pb.DraftRequest) -> pb.DraftResponse:
+    def answer(self, stream: _Stream, request: pb.DraftRequest) -> pb.DraftResponse:
         batch, failures = decode_draft_request(request, self.limits)
         self._release(stream, batch.releases)
         if self.draining:
@@ -132,49 +163,58 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             results = self._draft(stream, batch.updates)
         return encode_draft_response(DraftReply(batch.batch_id, (*failures, *results)))
 
-    def _draft(self, stream: dict[int, int], updates: Sequence[SeqUpdate]) -> list[SeqOutcome]:
+    def _draft(self, stream: _Stream, updates: Sequence[SeqUpdate]) -> list[SeqOutcome]:
         fresh: set[int] = set()  # verifier ids given an engine id by this request
-        scoped = []
+        scoped, admitted, refused = [], [], []
         for u in updates:
-            eid = stream.get(u.seq_id)
+            eid = stream.ids.get(u.seq_id)
+            if eid is None and u.start == 0 and len(stream.ids) >= stream.limit:
+                refused.append(SeqFailure(
+                    u.seq_id, ErrorCode.RESOURCE_EXHAUSTED,
+                    f"sequence {u.seq_id}: this stream already holds {len(stream.ids)} "
+                    f"sequences, its limit ({MAX_SEQS_KEY})"))
+                continue
             if eid is None:
                 eid = next(self._ids)
                 if u.start == 0:
-                    stream[u.seq_id] = eid
+                    stream.ids[u.seq_id] = eid
                     fresh.add(u.seq_id)
             scoped.append(replace(u, seq_id=eid))
+            admitted.append(u)
         t0 = time.perf_counter()
-        outcomes = self.engine.update(scoped)
+        outcomes = self.engine.update(scoped) if scoped else []
         elapsed = time.perf_counter() - t0
-        results = []
-        for u, out in zip(updates, outcomes, strict=True):
+        results: list[SeqOutcome] = refused
+        for u, eu, out in zip(admitted, scoped, outcomes, strict=True):
             if isinstance(out, SeqFailure) and u.seq_id in fresh:
-                del stream[u.seq_id]  # the engine holds nothing for it
+                del stream.ids[u.seq_id]  # the engine holds nothing for it
             if isinstance(out, SeqFailure) or u.want_drafts:
-                results.append(_unscoped(out, u.seq_id, elapsed))
+                results.append(_unscoped(out, u.seq_id, eu.seq_id, elapsed))
         return results
 
-    def _refuse(self, stream: dict[int, int], updates: Sequence[SeqUpdate]) -> list[SeqFailure]:
+    def _refuse(self, stream: _Stream, updates: Sequence[SeqUpdate]) -> list[SeqFailure]:
         self._release(stream, [u.seq_id for u in updates])
         return [SeqFailure(u.seq_id, ErrorCode.UNAVAILABLE,
                            "drafter is draining; resync on another drafter") for u in updates]
 
-    def _release(self, stream: dict[int, int], seq_ids: Iterable[int]) -> None:
-        eids = [stream.pop(s) for s in seq_ids if s in stream]
+    def _release(self, stream: _Stream, seq_ids: Iterable[int]) -> None:
+        eids = [stream.ids.pop(s) for s in seq_ids if s in stream.ids]
         self.engine.release(eids)
 
-    def _release_stream(self, stream: dict[int, int]) -> None:
-        self.engine.release(list(stream.values()))
-        stream.clear()
+    def _release_stream(self, stream: _Stream) -> None:
+        self.engine.release(list(stream.ids.values()))
+        stream.ids.clear()
 
 
-def _unscoped(out: SeqOutcome, seq_id: int, elapsed: float) -> SeqOutcome:
+def _unscoped(out: SeqOutcome, seq_id: int, engine_id: int, elapsed: float) -> SeqOutcome:
     """The engine's outcome under the verifier's id (and the wire's conventions)."""
     if isinstance(out, SeqFailure):
         expected = out.expected_start
         if out.code == ErrorCode.FAILED_PRECONDITION and expected is None:
             expected = 0  # holds nothing for it: restart from 0
-        return replace(out, seq_id=seq_id, expected_start=expected)
+        # NOTE: engine messages name the engine's id; the verifier knows only its own
+        message = re.sub(rf"\bsequence {engine_id}\b", f"sequence {seq_id}", out.message)
+        return replace(out, seq_id=seq_id, expected_start=expected, message=message)
     return replace(out, seq_id=seq_id, draft_time_s=elapsed)
 
 
