@@ -24,6 +24,7 @@ class GenerateLimits:
     max_len: int  # slot length of the verifier's KV cache
     num_steps: int  # K: a verify window needs K + 1 positions past the last token
     default_max_tokens: int = 256
+    max_text_chars: int | None = None  # longer prompt texts are refused untokenized
 
     @property
     def context(self) -> int:
@@ -54,7 +55,12 @@ def _prompt(req: pb.GenerateRequest, limits: GenerateLimits,
     if kind == "text":
         if encode is None:
             raise invalid("prompt.text: this server has no tokenizer; send prompt.tokens")
-        ids = encode(req.text)
+        text = req.text  # NOTE: each access copies the string
+        if limits.max_text_chars is not None and len(text) > limits.max_text_chars:
+            raise invalid(f"prompt.text: {len(text)} characters cannot fit the context of "
+                          f"{limits.context} tokens (at most {limits.max_text_chars} "
+                          f"characters are taken)")
+        ids = encode(text)
         if not ids:
             raise invalid("prompt.text: the prompt is empty")
     else:

@@ -5,14 +5,22 @@ outputs as token chunks with incremental text, and ends with one finished messag
 Status contract: bad input INVALID_ARGUMENT (the message names the field), a duplicate
 request id ALREADY_EXISTS, a full server RESOURCE_EXHAUSTED, a draining or stopped one
 UNAVAILABLE. A client that goes away aborts its request (slot freed, drafter released).
+
+Parsing a large request (tokenizing a long prompt) runs on a worker thread, never on the
+event loop, and a prompt text too long to fit the context is refused untokenized.
+`Abort` stops a request only for its owner: a call on the connection that started it,
+or one carrying the abort key that Generate sent in its initial metadata.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -33,6 +41,7 @@ from chainspec.rpc.codec import WireError
 from chainspec.rpc.draft_pool import DrafterMatch, GrpcDraftClient
 from chainspec.rpc.drafter_service import chainspec_version
 from chainspec.rpc.generate_codec import (
+    GenerateArgs,
     GenerateLimits,
     chunk_message,
     finished_message,
@@ -43,33 +52,80 @@ from chainspec.rpc.generated.v1 import verifier_pb2_grpc as pb_grpc
 from chainspec.rpc.server import RunningServer, ServerOptions, start_server
 
 VERIFIER_SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
+ABORT_KEY = "x-chainspec-abort-key"  # Generate's initial metadata: the request's secret
+INLINE_PARSE_BYTES = 64 * 1024  # larger requests are parsed on a worker thread
+PARSE_THREADS = 2
+# A text prompt longer than context * (longest token's characters) * slack cannot fit.
+# NOTE: slack for normalizers that shrink text (NFKC composition, stripping).
+TEXT_SLACK = 4
+
+
+@dataclass(frozen=True)
+class _Owner:
+    """Who started a request: the connection (gRPC peer) and the abort key it got."""
+
+    peer: str
+    key: str
+
+    def allows(self, peer: str, key: str) -> bool:
+        return peer == self.peer or (bool(key) and hmac.compare_digest(
+            key.encode(), self.key.encode()))
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
     def __init__(self, engine: AsyncVerifier, limits: GenerateLimits,
                  tokenizer: Tokenizer | None, model_name: str, fingerprint: str = "",
                  drafters: Callable[[], int] = lambda: 0) -> None:
+        if tokenizer is not None and limits.max_text_chars is None:
+            limits = replace(limits, max_text_chars=limits.context * TEXT_SLACK * max(
+                map(len, tokenizer.backend.get_vocab(with_added_tokens=True)), default=1))
         self.engine, self.limits, self.tokenizer = engine, limits, tokenizer
         self.model_name, self.fingerprint, self.drafters = model_name, fingerprint, drafters
+        self._encode = _encoder(tokenizer) if tokenizer is not None else None
+        self._parser = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="verifier-parse")
+        self._owners: dict[str, _Owner] = {}  # request id -> who may abort it
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_VerifierServicer_to_server(self, server)
 
+    def close(self) -> None:
+        self._parser.shutdown(wait=False, cancel_futures=True)
+
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
-        encode = self.tokenizer.encode if self.tokenizer is not None else None
         try:
-            args = parse_generate(request, self.limits, encode)
+            args = await self._parse(request)
         except WireError as e:
             await context.abort(e.code, e.message)
         rid = args.request_id or uuid.uuid4().hex
+        if rid in self._owners:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request_id: {rid!r} is already in use")
+        owner = self._owners[rid] = _Owner(context.peer(), secrets.token_urlsafe(16))
+        try:
+            await context.send_initial_metadata(((ABORT_KEY, owner.key),))
+            async for message in self._run(rid, args, context):
+                yield message
+        finally:
+            if self._owners.get(rid) is owner:
+                del self._owners[rid]
+
+    async def _parse(self, request: pb.GenerateRequest) -> GenerateArgs:
+        if request.ByteSize() <= INLINE_PARSE_BYTES:
+            return parse_generate(request, self.limits, self._encode)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._parser, parse_generate, request, self.limits, self._encode)
+
+    async def _run(self, rid: str, args: GenerateArgs, context: grpc.aio.ServicerContext
+                   ) -> AsyncIterator[pb.GenerateResponse]:
         writer = _ResponseWriter(rid, len(args.prompt), self.tokenizer, args.stop.stop_strings)
         try:
             async for out in self.engine.generate(rid, args.prompt, args.sampling, args.stop):
                 for message in writer.messages(out):
                     yield message
-        except RequestIdInUse as e:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+        except RequestIdInUse:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request_id: {rid!r} is already in use")
         except QueueFull as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except EngineStopped as e:
@@ -78,6 +134,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt: {e}")
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        """Found only for the request's owner; anyone else learns nothing."""
+        owner = self._owners.get(request.request_id)
+        if owner is None or not owner.allows(context.peer(), request.abort_key):
+            return pb.AbortResponse(found=False)
         return pb.AbortResponse(found=await self.engine.abort(request.request_id))
 
     async def Info(self, request: pb.VerifierInfoRequest, context) -> pb.VerifierInfo:
@@ -87,6 +147,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             num_draft_tokens=self.limits.num_steps, capacity=e.engine.config.max_seqs,
             running=e.running, waiting=e.waiting, drafters=self.drafters(),
             max_model_len=self.limits.context, version=chainspec_version())
+
+
+def _encoder(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
+    """`tokenizer.encode` that lets go of the GIL while it works."""
+    def encode(text: str) -> list[int]:
+        # NOTE: the backend's single `encode` holds the GIL throughout (a 10 MB prompt
+        # froze the event loop for seconds even from a worker thread); `encode_batch`
+        # releases it and gives the same ids.
+        return tokenizer.backend.encode_batch([text], add_special_tokens=True)[0].ids
+    return encode
 
 
 class _ResponseWriter:
@@ -206,6 +276,7 @@ async def serve_verifier(opts: VerifierOptions, server: ServerOptions,
     servicer = VerifierServicer(engine, limits, tokenizer, opts.name, fingerprint,
                                 lambda: len(drafts.loads()))
     running = await start_server(server, servicer.register, [VERIFIER_SERVICE], metrics)
+    running.add_stop_hook(servicer.close)
     running.add_stop_hook(engine.shutdown)
     running.add_stop_hook(drafts.close)
     verifier = VerifierServer(running, engine, drafts, metrics)

@@ -57,14 +57,17 @@ class VerifierServicer:
     """
 
     def Generate(self, request, context):
-        """Runs one request, streaming its committed tokens.
+        """Runs one request, streaming its committed tokens. The call's initial metadata
+        carries `x-chainspec-abort-key`, the request's secret for Abort.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Stops a running or waiting request; its Generate stream ends with ABORT.
+        """Stops a running or waiting request; its Generate stream ends with ABORT. Only the
+        request's owner may: a call on the same connection as its Generate, or one carrying
+        its abort key. Anyone else is answered as if the request did not exist.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
