@@ -5,7 +5,8 @@ token, and drain (DESIGN 4.3).
 returns a `RunningServer`. Health ("" and every service name) starts NOT_SERVING; the
 host flips it with `set_serving(True)` once its model is loaded and warmed up. `drain()`
 turns health NOT_SERVING, refuses new calls with UNAVAILABLE, lets the calls in flight
-finish for up to `drain_grace_s`, then stops.
+finish for up to `drain_grace_s`, then stops. A message that does not decode, on any
+method and anywhere in a stream, is answered INVALID_ARGUMENT (never UNKNOWN).
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class _CallGate(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
+        handler = _decode_checked(handler)
         method = details.method
         if self.token and not method.startswith(HEALTH_PREFIX) \
                 and not bearer_token_ok(details.invocation_metadata, self.token):
@@ -128,15 +130,74 @@ class _CallGate(grpc.aio.ServerInterceptor):
             self.idle.set()
 
 
-def _same_kind(handler, behavior) -> grpc.RpcMethodHandler:
-    """A method handler like `handler` (same streaming kind and codecs) running `behavior`."""
+def _same_kind(handler, behavior, request_deserializer=None) -> grpc.RpcMethodHandler:
+    """A method handler like `handler` (same streaming kind and codecs, unless another
+    `request_deserializer` is given) running `behavior`."""
     kind = {(False, False): grpc.unary_unary_rpc_method_handler,
             (False, True): grpc.unary_stream_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler,
             (True, True): grpc.stream_stream_rpc_method_handler}
     make = kind[(handler.request_streaming, handler.response_streaming)]
-    return make(behavior, request_deserializer=handler.request_deserializer,
+    return make(behavior,
+                request_deserializer=request_deserializer or handler.request_deserializer,
                 response_serializer=handler.response_serializer)
+
+
+class _Undecodable:
+    """Stands in for a request message that failed to decode."""
+
+    def __init__(self, error: Exception) -> None:
+        self.details = f"request message does not decode: {error or type(error).__name__}"
+
+
+def _tolerant(deserialize):
+    def parse(raw: bytes):
+        try:
+            return deserialize(raw)
+        except Exception as e:  # NOTE: client bytes, whatever the parser raises
+            return _Undecodable(e)
+    return parse
+
+
+async def _check(request, context) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
+
+
+async def _checked_stream(requests, context):
+    async for request in requests:
+        await _check(request, context)
+        yield request
+
+
+def _decode_checked(handler) -> grpc.RpcMethodHandler:
+    """`handler` answering INVALID_ARGUMENT for a request (or any message of a request
+    stream) that does not decode; grpc itself would answer UNKNOWN."""
+    inner = _behavior(handler)
+    if handler.request_deserializer is None or not (
+            inspect.isasyncgenfunction(inner) or inspect.iscoroutinefunction(inner)):
+        return handler  # raw bytes, or a sync behavior (grpc's pool): nothing to check
+
+    async def checked(request, context):
+        if handler.request_streaming:
+            return _checked_stream(request, context)
+        await _check(request, context)
+        return request
+
+    if inspect.isasyncgenfunction(inner):
+        async def stream(request, context):
+            responses = inner(await checked(request, context), context)
+            try:
+                async for response in responses:
+                    yield response
+            finally:
+                await responses.aclose()
+        behavior = stream
+    else:
+        async def call(request, context):
+            return await inner(await checked(request, context), context)
+        behavior = call
+    return _same_kind(handler, behavior, _tolerant(handler.request_deserializer))
 
 
 def _behavior(handler):
