@@ -1,6 +1,7 @@
-"""Gateway request handling without servers: body validation naming the field, what is
-refused as unsupported, the verifier's field paths mapped to HTTP names, chat templates,
-the API key check, usage with speculative statistics, and SSE events."""
+"""Gateway request handling without servers: JSON bodies within bounds, body validation
+naming the field, what is refused as unsupported, the verifier's field paths mapped to
+HTTP names, chat templates, the API key check, usage with speculative statistics, and SSE
+events."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import grpc
 import pytest
 
 from chainspec.gateway.auth import check_api_key
+from chainspec.gateway.body import MAX_DEPTH, check_content_type, decode
 from chainspec.gateway.chat_template import ChatTemplate, Turn
 from chainspec.gateway.client import GenerationSpec
+from chainspec.gateway.config import GatewayConfig
 from chainspec.gateway.errors import APIError, from_grpc, http_param
 from chainspec.gateway.responses import ChatFormat, Envelope, chunk_body, usage
 from chainspec.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
@@ -32,7 +35,72 @@ def error_of(model, body) -> APIError:
     return e.value
 
 
+def object_of_depth(depth: int) -> str:
+    """A JSON object nested `depth` levels deep, the object itself the first."""
+    return '{"x": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+
+@pytest.mark.parametrize("raw,param,says", [
+    ('{"prompt": "a\\ud800b"}', "prompt", "lone surrogate '\\ud800' at index 1"),
+    ('{"stop": ["ok", "\\udc00"]}', "stop[1]", "lone surrogate"),
+    ('{"messages": [{"content": [{"text": "\\ud83d"}]}]}', "messages[0].content[0].text",
+     "lone surrogate"),
+    ('{"\\ud800": 1}', "\\ud800", "lone surrogate"),  # a field name, shown escaped
+    (object_of_depth(MAX_DEPTH + 1), "x", f"more than {MAX_DEPTH} levels"),
+    ("[" * 100_000 + "]" * 100_000, None, f"more than {MAX_DEPTH} levels"),
+    ('{"max_tokens": NaN}', None, "NaN is not a JSON number"),
+    ('{"top_p": -Infinity}', None, "-Infinity is not a JSON number"),
+    ('{"prompt": "x",}', None, "not valid JSON"),
+])
+def test_bodies_out_of_bounds_are_400(raw, param, says) -> None:
+    with pytest.raises(APIError) as e:
+        decode(raw.encode())
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+    assert says in e.value.message
+    json.dumps(e.value.body()).encode("utf-8")  # always encodable, surrogates or not
+
+
+def test_bodies_within_bounds_decode() -> None:
+    assert MAX_DEPTH == 64 and isinstance(decode(object_of_depth(MAX_DEPTH).encode()), dict)
+    pair = '{"prompt": "\\ud83d\\ude00 caf\u00e9"}'  # an escaped surrogate pair is text
+    assert decode(pair.encode()) == {"prompt": "\U0001f600 café"}
+    # beyond 20 digits (uint64) an integer reads as a float: no int field takes it
+    assert decode(b'{"n": ' + b"9" * 5000 + b"}") == {"n": float("inf")}
+    assert decode(b"[18446744073709551615, 1e999]") == [2 ** 64 - 1, float("inf")]
+    with pytest.raises(APIError) as e:
+        decode(b'{"prompt": "\xed\xa0\x80"}')  # a surrogate encoded in the bytes
+    assert "not UTF-8" in e.value.message
+
+
+@pytest.mark.parametrize("content_type,ok", [
+    (None, True), ("application/json", True), ("Application/JSON; charset=utf-8", True),
+    ("application/vnd.api+json", True), ("text/plain", False), ("", False),
+    ("application/x-www-form-urlencoded", False), ("application/jsonl", False),
+])
+def test_content_type(content_type, ok) -> None:
+    if ok:
+        check_content_type(content_type)
+        return
+    with pytest.raises(APIError) as e:
+        check_content_type(content_type)
+    assert e.value.status == 415 and e.value.code == "unsupported_media_type"
+
+
 @pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokens": 2 ** 32}, "max_tokens"),  # uint32 on the wire
+    ({"prompt": "x", "top_k": 2 ** 32}, "top_k"),
+    ({"prompt": "x", "seed": 2 ** 64}, "seed"),  # uint64
+    ({"prompt": "x", "max_tokens": float("inf")}, "max_tokens"),  # a 5,000-digit integer
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),  # strict types
+    ({"prompt": "x", "max_tokens": "16"}, "max_tokens"),
+    ({"prompt": "x", "temperature": "0.5"}, "temperature"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stream": 1}, "stream"),
+    ({"prompt": "x", "ignore_eos": "true"}, "ignore_eos"),
+    ({"prompt": "x", "echo": 0}, "echo"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "y"}},
+     "stream_options.include_usage"),
+    ({"prompt": [1, 2 ** 32]}, "prompt"),
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
@@ -73,6 +141,9 @@ def test_completion_errors_name_the_field(body, param) -> None:
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x"}, {"content": "y"}]}, "messages[1].role"),
     ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({**CHAT, "max_completion_tokens": 2 ** 32}, "max_completion_tokens"),
+    ({**CHAT, "stream": "true"}, "stream"),
+    ({**CHAT, "logprobs": "no"}, "logprobs"),
     ({**CHAT, "logprobs": True}, "logprobs"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
     ({**CHAT, "tool_choice": "auto"}, "tool_choice"),
@@ -96,6 +167,15 @@ def test_valid_requests_and_defaults() -> None:
     assert [m.text() for m in chat.messages] == ["be brief", "ab"]
     assert chat.output_limit == 7 and chat.include_usage
     assert parse(ChatCompletionRequest, CHAT).output_limit is None  # the verifier's default
+
+
+def test_largest_wire_values_convert() -> None:
+    """The schema's bounds are the wire's: the largest accepted values fit the proto."""
+    r = parse(CompletionRequest, {"prompt": [2 ** 32 - 1], "max_tokens": 2 ** 32 - 1,
+                                  "top_k": 2 ** 32 - 1, "seed": 2 ** 64 - 1})
+    msg = GenerationSpec("id", r.prompt_value(), r.output_limit, 1, 1, r.top_k, r.seed, (),
+                         False).message()
+    assert (msg.stop.max_tokens, msg.sampling.top_k) == (2 ** 32 - 1, 2 ** 32 - 1)
 
 
 def test_spec_becomes_generate_request() -> None:
@@ -137,6 +217,27 @@ def test_grpc_status_mapping(code, status) -> None:
     if status == 400:
         assert err.param == "prompt" and err.code == "context_length_exceeded"
         assert err.message.startswith("prompt: 300 prompt tokens")
+
+
+def test_grpc_message_limit_is_413_not_429() -> None:
+    """gRPC's own size limit also says RESOURCE_EXHAUSTED, but no retry can succeed."""
+    err = from_grpc(_Status(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            "CLIENT: Sent message larger than max (70000060 vs. 67108864)"),
+                    "prompt", retry_after_s=2)
+    assert (err.status, err.code, err.headers) == (413, "request_too_large", {})
+
+
+def test_error_bodies_always_encode() -> None:
+    err = APIError(400, "model: unknown model '\ud800'", "invalid_request_error", "\udfff")
+    assert err.param == "\\udfff" and err.message == "model: unknown model '\\ud800'"
+    json.dumps(err.body(), ensure_ascii=False).encode("utf-8")
+
+
+def test_body_limit_config() -> None:
+    assert GatewayConfig().max_body_bytes == 8 * 2 ** 20
+    assert GatewayConfig.from_dict({"max_body_bytes": 4096}).max_body_bytes == 4096
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        GatewayConfig(max_body_bytes=10)
 
 
 def test_api_key() -> None:
