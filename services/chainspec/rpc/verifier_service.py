@@ -53,7 +53,7 @@ from chainspec.rpc.server import RunningServer, ServerOptions, start_server
 
 VERIFIER_SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 ABORT_KEY = "x-chainspec-abort-key"  # Generate's initial metadata: the request's secret
-INLINE_PARSE_BYTES = 64 * 1024  # larger requests are parsed on a worker thread
+INLINE_PARSE_BYTES = 4 * 1024  # larger requests are parsed on a worker thread (~1 µs a char)
 PARSE_THREADS = 2
 # A text prompt longer than context * (longest token's characters) * slack cannot fit.
 # NOTE: slack for normalizers that shrink text (NFKC composition, stripping).
