@@ -112,6 +112,16 @@ def test_input_edges_on_one_keep_alive_connection(stack) -> None:  # noqa: F811
     conn.close()
 
 
+def test_largest_wire_values_are_served(stack) -> None:  # noqa: F811
+    """The bounds are the wire's, not tighter: uint32/uint64 maxima reach the verifier,
+    which clamps max_tokens to the context and serves the request."""
+    r = httpx.post(f"{stack.url}{COMPLETIONS}", headers=AUTH, timeout=120, json={
+        "prompt": "hello world", "max_tokens": 2 ** 32 - 1, "top_k": 2 ** 32 - 1,
+        "seed": 2 ** 64 - 1, "stop": ["x" * 100_000]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
 def test_body_limit_is_configurable(stack) -> None:  # noqa: F811
     """A small limit refuses a body just over it, by Content-Length and chunked alike,
     and takes one just under it."""
