@@ -4,6 +4,7 @@ bounded queue, shutdown fails in-flight requests, idle thread sleeps."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -129,3 +130,76 @@ def test_idle_thread_sleeps(pair) -> None:
     used = time.process_time() - t0
     av.shutdown()
     assert used < 0.05, f"idle engine thread used {used:.3f} s CPU in 0.3 s"
+
+
+def test_a_caller_cancelled_while_queued_cannot_kill_the_engine(pair) -> None:
+    """A client that hangs up while its command waits behind a busy engine thread left a
+    cancelled future; the thread set its result anyway and died (InvalidStateError)."""
+    target, draft = pair
+
+    async def main():
+        av = AsyncVerifier(engine(target, draft, max_seqs=2))
+        try:
+            gate = threading.Event()
+            av._submit(gate.wait)  # the engine thread is busy until the gate opens
+            ran = []
+            calls = [asyncio.ensure_future(av.call(lambda i=i: ran.append(i)))
+                     for i in range(5)]
+            await asyncio.sleep(0.05)
+            for c in calls:
+                c.cancel()  # the callers went away while their commands were queued
+            await asyncio.gather(*calls, return_exceptions=True)  # cancellation lands
+            gate.set()
+            assert await av.call(lambda: 42) == 42  # the thread outlived them
+            assert av.alive and av.failure is None
+            tokens, last = await collect(av, "after", prompts(1)[0], max_tokens=5)
+            assert last.finish_reason is FinishReason.LENGTH and len(tokens) == 5
+            return ran
+        finally:
+            av.shutdown()
+    assert asyncio.run(main()) == []  # a cancelled command does not run
+
+
+def test_engine_death_is_reported_to_listeners_and_callers(pair) -> None:
+    target, draft = pair
+
+    async def main():
+        eng = engine(target, draft, max_seqs=2)
+        av = AsyncVerifier(eng)
+        heard: list[str] = []
+        av.on_failure(heard.append)
+
+        def broken_step():
+            raise RuntimeError("injected")
+        eng.step = broken_step
+        with pytest.raises(EngineStopped, match="injected"):
+            await collect(av, "r", prompts(1)[0], max_tokens=5)
+        for _ in range(100):
+            if heard:
+                break
+            await asyncio.sleep(0.01)
+        return av, heard
+    av, heard = asyncio.run(main())
+    assert heard and "RuntimeError: injected" in heard[0]
+    assert av.failure == heard[0] and not av.alive
+
+
+def test_a_stuck_step_counts_as_stalled_and_a_busy_engine_does_not(pair) -> None:
+    target, draft = pair
+
+    async def main():
+        av = AsyncVerifier(engine(target, draft, max_seqs=2))
+        try:
+            assert av.stalled(0.01) is None  # idle
+            gate = threading.Event()
+            av._submit(gate.wait)
+            await asyncio.sleep(0.1)
+            reason = av.stalled(0.05)
+            gate.set()
+            await av.call(lambda: None)
+            return reason, av.stalled(0.05)
+        finally:
+            av.shutdown()
+    stuck, after = asyncio.run(main())
+    assert stuck is not None and "no progress" in stuck
+    assert after is None

@@ -5,6 +5,11 @@ and anything passed to `call`) runs on the engine thread, fed by a command queue
 thread steps while the engine has work and sleeps on the queue when idle (no busy spin);
 a new command wakes it. Outputs of a step go back to the event loop in one
 `loop.call_soon_threadsafe` per loop and land in per-request asyncio queues.
+
+Clients cannot kill the thread: a caller that gives up (cancelled while its command is
+queued) leaves a cancelled future that the thread skips; a closed event loop is skipped
+too. If the thread dies anyway (an engine bug), `failure` says why and the listeners
+added with `on_failure` hear it at once; `stalled` tells a stuck thread from a busy one.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ class AsyncVerifier:
         self.steps = 0  # engine steps run, and their wall time (benchmarks, metrics)
         self.step_s_total = 0.0
         self._stopped: str | None = None  # why, once stopped
+        self._failure: str | None = None  # why the thread died, if it did
+        self._failure_listeners: list[Callable[[str], None]] = []
+        self._busy_since: float | None = None  # when the current step/command began
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -69,6 +77,27 @@ class AsyncVerifier:
     @property
     def alive(self) -> bool:
         return self._stopped is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine thread died (None while it lives, or after a clean shutdown)."""
+        if self._failure is None and self._stopped is None and not self._thread.is_alive():
+            return "verifier engine thread exited"
+        return self._failure
+
+    def stalled(self, limit_s: float) -> str | None:
+        """Why the engine counts as stuck: one step or command has run for over `limit_s`
+        (an idle engine, or one finishing steps, is live)."""
+        busy_since = self._busy_since
+        if busy_since is not None and time.monotonic() - busy_since > limit_s:
+            return f"verifier engine made no progress for {time.monotonic() - busy_since:.1f} s"
+        return None
+
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(reason)` (on the engine thread) if the thread dies."""
+        self._failure_listeners.append(listener)
+        if self._failure is not None:
+            listener(self._failure)
 
     async def generate(self, request_id: str | None, prompt_ids: Sequence[int],
                        sampling: SamplingParams, stop: StopConditions
@@ -113,10 +142,17 @@ class AsyncVerifier:
         done: Future = Future()
 
         def run() -> None:
+            # NOTE: a caller cancelled while this waited in the queue (a client hanging up)
+            # cancelled `done`; setting a result then would raise InvalidStateError here,
+            # on the engine thread. Once RUNNING, `done` can no longer be cancelled.
+            if not done.set_running_or_notify_cancel():
+                return
             try:
-                done.set_result(fn())
+                result = fn()
             except BaseException as e:  # handed to the caller
                 done.set_exception(e)
+            else:
+                done.set_result(result)
         self._submit(run)
         return await asyncio.wrap_future(done)
 
@@ -154,8 +190,7 @@ class AsyncVerifier:
 
     def _fail_all(self, reason: str) -> None:
         for stream in list(self._streams.values()):
-            if not stream.loop.is_closed():
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineStopped(reason))
+            _post(stream.loop, stream.queue.put_nowait, EngineStopped(reason))
 
     # -- engine thread --------------------------------------------------------------
     def _loop(self) -> None:
@@ -163,13 +198,17 @@ class AsyncVerifier:
             while self._run_commands(block=not self.engine.has_work):
                 if self.engine.has_work:
                     t0 = time.perf_counter()
+                    self._busy_since = time.monotonic()
                     self._publish(self.engine.step())
                     self.steps += 1
                     self.step_s_total += time.perf_counter() - t0
                 self._running = self.engine.num_running
-        except Exception as e:  # an engine bug: fail loudly, never hang the clients
-            self._stopped = f"verifier engine failed: {type(e).__name__}: {e}"
+                self._busy_since = None
+        except BaseException as e:  # an engine bug: fail loudly, never hang the clients
+            self._failure = self._stopped = f"verifier engine failed: {type(e).__name__}: {e}"
             self._fail_all(self._stopped)
+            for listener in self._failure_listeners:
+                listener(self._failure)
             raise
 
     def _run_commands(self, block: bool) -> bool:
@@ -179,6 +218,7 @@ class AsyncVerifier:
         except queue.Empty:
             return True
         while command is not None:
+            self._busy_since = time.monotonic()
             command()
             try:
                 command = self._commands.get_nowait()
@@ -193,5 +233,12 @@ class AsyncVerifier:
             if stream is not None:
                 by_loop.setdefault(stream.loop, []).append(out)
         for loop, outs in by_loop.items():
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(self._deliver, outs)
+            _post(loop, self._deliver, outs)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """`fn(*args)` on `loop`, unless that loop has closed (its clients are gone)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # closed between our look and the call: nobody is listening
+        pass
