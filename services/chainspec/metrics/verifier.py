@@ -197,3 +197,10 @@ class DraftStatsCollector(Collector):
                                       "Drafters this verifier can use", labels=["model"])
         connected.add_metric(m, len(self.pool.loads()) if self.pool is not None else 0)
         yield connected
+        wanted = GaugeMetricFamily("chainspec_drafters_wanted", "Drafters the membership "
+                                   "lists for this verifier (connected or not)", labels=["model"])
+        wanted.add_metric(m, getattr(self.pool, "wanted", lambda: 0)())
+        yield wanted
+        yield counter("chainspec_draft_reconnects", "Links to a listed drafter opened again "
+                      "after their stream ended or a connect failed",
+                      getattr(stats, "reconnects", 0))

@@ -14,6 +14,9 @@ called from the verifier engine's thread; one reader thread per stream deposits 
   next collect, where the verifier drops them as stale by `position`.
 - A broken stream marks its drafter dead; its sequences lose their assignment and those
   waiting for drafts get FAILED_PRECONDITION, so the verifier decodes plainly and resyncs.
+- Links heal: a drafter that is still wanted but whose stream ended for any reason (a
+  GOAWAY, a restart, a network cut) or that could not be reached is reconnected in the
+  background with jittered exponential backoff; its sequences come back by resync.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import enum
 import itertools
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -52,6 +56,9 @@ from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 DRAFTER_SERVICE = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 _CLOSE = object()  # ends a stream's request iterator (half-close)
+RECONNECT_BASE_S = 0.1  # first reconnect delay; doubles per failed try up to the max
+RECONNECT_MAX_S = 5.0
+STABLE_LINK_S = 5.0  # a stream that lived this long resets the backoff
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,7 @@ class DraftPoolStats:
     local_failures: int = 0  # updates the pool answered itself (no usable drafter)
     stream_failures: int = 0  # drafter streams that broke
     reassignments: int = 0  # sequences given to a drafter again after losing theirs
+    reconnects: int = 0  # links to a wanted drafter opened again after a failure
 
 
 class PoolObserver(Protocol):
@@ -96,7 +104,8 @@ class LinkState(enum.StrEnum):
     LIVE = "live"  # takes new sequences
     DRAINING = "draining"  # answered UNAVAILABLE: its sequences move, no new ones
     RETIRED = "retired"  # removed by set_endpoints
-    DEAD = "dead"  # stream broke or never connected
+    DEAD = "dead"  # stream broke or never connected; retried while wanted
+    CONNECTING = "connecting"  # wanted, first connection under way (reported only)
 
 
 @dataclass(eq=False)
@@ -114,6 +123,8 @@ class _Link:
     outstanding: dict[int, tuple[float, frozenset[int]]] = field(default_factory=dict)
     open: bool = False  # the stream may still answer
     half_closed: bool = False
+    failures: int = 0  # failed connects (or short-lived streams) before this link
+    opened_s: float = 0.0  # time.monotonic() when the stream opened
 
     def half_close(self) -> None:
         if not self.half_closed:
@@ -128,9 +139,14 @@ class GrpcDraftClient:
                  round_deadline_s: float = 0.05,
                  hidden_dtype: WireDType | str = WireDType.F32,
                  match: DrafterMatch | None = None, connect_timeout_s: float = 10.0,
-                 observer: PoolObserver | None = None) -> None:
+                 observer: PoolObserver | None = None, max_seqs: int | None = None) -> None:
+        """`max_seqs`: the most sequences this verifier runs; each stream declares (and
+        may then hold) no more than that, leaving the rest of a drafter to others."""
         if round_deadline_s <= 0 or connect_timeout_s <= 0:
             raise ValueError("round_deadline_s and connect_timeout_s must be > 0")
+        if max_seqs is not None and max_seqs < 1:
+            raise ValueError(f"max_seqs must be >= 1, got {max_seqs}")
+        self.max_seqs = max_seqs
         self.opts, self.round_deadline_s = opts, round_deadline_s
         self.hidden_dtype = WireDType.parse(hidden_dtype)
         self.match = match or DrafterMatch()
@@ -165,25 +181,52 @@ class GrpcDraftClient:
                     (ep not in self._links or self._links[ep].state is LinkState.DEAD)]
             self._connecting.update(todo)
         for ep in todo:
-            threading.Thread(target=self._connect_and_add, args=(ep,), daemon=True,
-                             name=f"draft-pool-connect-{ep}").start()
+            self._start_connect(ep, failures=0)
 
     def wait_connected(self, timeout: float | None = None) -> bool:
         """Wait until no connection attempt is pending; False on timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._connecting, timeout)
 
-    def _connect_and_add(self, endpoint: str) -> None:
+    def _start_connect(self, endpoint: str, failures: int) -> None:
+        threading.Thread(target=self._connect_and_add, args=(endpoint, failures), daemon=True,
+                         name=f"draft-pool-connect-{endpoint}").start()
+
+    def _connect_and_add(self, endpoint: str, failures: int) -> None:
         link = self._connect(endpoint)
         with self._cond:
             self._connecting.discard(endpoint)
             if self._closed or endpoint not in self._wanted:
                 self._shutdown_link(link)
             else:
+                previous = self._links.get(endpoint)
                 self._links[endpoint] = link
                 if link.open:
                     self._open.add(link)
+                    link.failures = failures
+                    if previous is not None or failures:
+                        self.stats.reconnects += 1
+                        log.info("drafter %s reconnected", endpoint)
+                else:
+                    self._retry_later(endpoint, failures + 1)
             self._cond.notify_all()
+
+    def _retry_later(self, endpoint: str, failures: int) -> None:
+        """Reconnect a wanted endpoint after a jittered backoff (lock held)."""
+        delay = min(RECONNECT_MAX_S, RECONNECT_BASE_S * 2 ** min(failures - 1, 16))
+        timer = threading.Timer(delay * random.uniform(0.5, 1.0), self._retry,
+                                args=(endpoint, failures))
+        timer.daemon = True
+        timer.start()
+
+    def _retry(self, endpoint: str, failures: int) -> None:
+        with self._cond:
+            link = self._links.get(endpoint)
+            if self._closed or endpoint not in self._wanted or endpoint in self._connecting \
+                    or (link is not None and link.state is not LinkState.DEAD):
+                return  # gone from the membership, or someone else reconnected it
+            self._connecting.add(endpoint)
+        self._connect_and_add(endpoint, failures)
 
     def loads(self) -> dict[str, int]:
         """Sequences assigned per usable drafter."""
@@ -192,8 +235,17 @@ class GrpcDraftClient:
                     if link.state in (LinkState.LIVE, LinkState.DRAINING)}
 
     def states(self) -> dict[str, LinkState]:
+        """Every wanted (or still answering) endpoint's link state."""
         with self._cond:
-            return {ep: link.state for ep, link in self._links.items()}
+            out = {ep: link.state for ep, link in self._links.items()}
+            for ep in self._wanted - out.keys():
+                out[ep] = LinkState.CONNECTING
+            return out
+
+    def wanted(self) -> int:
+        """How many drafters the membership lists for this verifier."""
+        with self._cond:
+            return len(self._wanted)
 
     def _connect(self, endpoint: str) -> _Link:
         """Health SERVING, Info matching, then the stream and its reader thread."""
@@ -216,7 +268,9 @@ class GrpcDraftClient:
             return link
         link.limits = DraftLimits(info.hidden_size, info.vocab_size, info.num_draft_tokens,
                                   max_top_k=info.max_top_k or None)
-        link.capacity, link.state, link.open = info.capacity, LinkState.LIVE, True
+        link.capacity = min(info.capacity, self.max_seqs or info.capacity)
+        link.state, link.open = LinkState.LIVE, True
+        link.opened_s = time.monotonic()
         # NOTE: declares what routing lets it hold (see _route); beyond that, refused
         responses = stub.Draft(iter(link.requests.get, _CLOSE),
                                metadata=stream_metadata(max(1, link.capacity)))
@@ -407,6 +461,10 @@ class GrpcDraftClient:
         link.seqs.clear()
         link.outstanding.clear()
         link.pending_releases.clear()
+        if link.state is LinkState.DEAD and not self._closed \
+                and self._links.get(link.endpoint) is link and link.endpoint in self._wanted:
+            lived = time.monotonic() - link.opened_s
+            self._retry_later(link.endpoint, 1 if lived >= STABLE_LINK_S else link.failures + 1)
 
     def _shutdown_link(self, link: _Link) -> None:
         link.half_close()

@@ -32,9 +32,12 @@ if TYPE_CHECKING:
 # NOT_SERVING, not an error.
 HEALTH_PREFIX = f"/{health.SERVICE_NAME}/"
 REFLECTION_PREFIX = f"/{reflection.SERVICE_NAME}/"
-# Clients may send keepalive pings this often (the server default, 5 min, would answer a
-# 30 s client keepalive with GOAWAY "too_many_pings").
+# Clients may send keepalive pings this often (the server default, 5 min, answers a 30 s
+# client keepalive with GOAWAY "too_many_pings" after a few idle minutes).
 MIN_CLIENT_PING_INTERVAL_MS = 1000
+# NOTE: gRPC core reads the server's permitted ping interval from this key; the similar
+# "grpc.http2.min_recv_ping_interval_without_data_ms" named in its docs is read by nobody.
+PING_INTERVAL_KEY = "grpc.http2.min_ping_interval_without_data_ms"
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -319,10 +322,16 @@ def server_options(opts: ServerOptions) -> list[tuple[str, int]]:
         ("grpc.keepalive_time_ms", int(opts.keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(opts.keepalive_timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        (PING_INTERVAL_KEY, permitted_ping_interval_ms(opts.keepalive_time_s)),
         # NOTE: with SO_REUSEPORT a second server on a fixed port would bind silently.
         ("grpc.so_reuseport", 0),
     ]
+
+
+def permitted_ping_interval_ms(keepalive_time_s: float) -> int:
+    """How often a client may ping: never slower than the pings our own clients send
+    (same keepalive setting on both ends), so keepalive can never earn a GOAWAY."""
+    return max(1, min(MIN_CLIENT_PING_INTERVAL_MS, int(keepalive_time_s * 1000) // 2))
 
 
 def server_credentials(opts: ServerOptions) -> grpc.ServerCredentials:
