@@ -139,11 +139,30 @@ def test_restarted_controller_keeps_scaled_count_and_members(up, prompts, plain)
     assert got.tokens == plain[0] and got.finished.stats.accepted_tokens > 0
 
 
+def test_members_outlive_a_controller_killed_for_good_and_down_kills_them(
+        up, prompts, plain) -> None:
+    before = members_by_id()
+    ray.kill(controller(), no_restart=True)
+    time.sleep(1.0)
+    verifier = next(m for m in before.values() if m["role"] == "verifier")
+    channel, stub = verifier_stub(verifier["endpoint"])
+    got = generate(stub, prompts[1], TOKENS)  # still serving, still speculative
+    channel.close()
+    assert got.tokens == plain[1] and got.finished.stats.accepted_tokens > 0
+    stack.down(namespace=NS)  # no controller: the members its intent lists are killed
+    assert_no_actor_left([m["pid"] for m in before.values()])
+
+
 def test_down_leaves_no_actor_even_before_readoption(up) -> None:
     """`down` right after a controller kill: members not yet re-adopted die too."""
+    stack.up(up)
     pids = [m["pid"] for m in members_by_id().values()]
     kill_controller()
     stack.down(namespace=NS)
+    assert_no_actor_left(pids)
+
+
+def assert_no_actor_left(pids: list[int]) -> None:
     wait_for(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True)
                           if a["namespace"] == NS], 10, "no named actor left in the namespace")
     wait_for(lambda: not any(_alive(p) for p in pids), 30, "member processes to exit")

@@ -214,6 +214,13 @@ def test_gateway_restart_rejoins_the_running_stack(ray_cluster, model_dir, tmp_p
         assert wait_until(lambda: completion() == want, 60), second.output()
         assert {m["member_id"]: m["pid"] for m in stack.status(namespace=GW_NS)
                 if m["role"] != "gateway"} == pids  # the same stack served throughout
+        # a controller restart is not the stack going away: the gateway stays and serves
+        controller = stack.connect(namespace=GW_NS)
+        os.kill(ray.get(controller.ping.remote(), timeout=10)["pid"], signal.SIGKILL)
+        assert wait_until(lambda: completion() == want, 60), second.output()
+        assert wait_until(lambda: [m for m in _status_or_empty(stack)
+                                   if m["role"] == "gateway" and m["state"] == "ready"], 30)
+        assert second.proc.poll() is None, second.output()
         second.proc.terminate()
         assert second.proc.wait(60) == 0, second.output()
         assert {m["role"] for m in stack.status(namespace=GW_NS)} >= {"drafter", "verifier"}
@@ -222,3 +229,10 @@ def test_gateway_restart_rejoins_the_running_stack(ray_cluster, model_dir, tmp_p
             if p is not None and p.proc.poll() is None:
                 p.proc.kill()
         stack.down(namespace=GW_NS)
+
+
+def _status_or_empty(stack) -> list[dict]:
+    try:
+        return stack.status(namespace=GW_NS)
+    except stack.StackError:  # the controller restarting
+        return []

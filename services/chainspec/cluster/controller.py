@@ -33,6 +33,7 @@ from chainspec.cluster.intent import MEMBER_NAME, Intent, IntentStore, actor_nam
 from chainspec.cluster.membership import Member, MemberState
 
 START_TIMEOUT_S = 300.0  # longest wait for new members to load their model
+FORGET_AFTER = 10  # health timeouts after which a silent external member is dropped
 
 
 class Controller:
@@ -248,10 +249,13 @@ class Controller:
             await asyncio.sleep(self.config.health_interval_s)
 
     async def _expire(self, member: Member) -> None:
-        """An external member without a heartbeat for `health_timeout_s` is dead."""
+        """An external member without a heartbeat for `health_timeout_s` is dead, and
+        forgotten after FORGET_AFTER timeouts (a killed gateway rejoins under a new id)."""
         while member.member_id in self._members:
             late = time.monotonic() - self._heartbeats[member.member_id]
-            if late > self.config.health_timeout_s and member.state is MemberState.READY:
+            if late > FORGET_AFTER * self.config.health_timeout_s:
+                self._remove(member.member_id)
+            elif late > self.config.health_timeout_s and member.state is MemberState.READY:
                 member.state, member.error = MemberState.DEAD, f"no heartbeat for {late:.1f} s"
                 self._bump()
             await asyncio.sleep(self.config.health_interval_s)
