@@ -129,3 +129,46 @@ def test_custom_resource_only_when_the_cluster_declares_it() -> None:
     grouped = {**plain_ray, "chainspec_drafter": 4.0}
     assert role_resources(cfg, "drafter", grouped) == {"chainspec_drafter": 0.01}
     assert role_resources(cfg, "verifier", grouped) == {}
+
+
+def test_intent_counts_ids_forgets_members_and_round_trips() -> None:
+    from chainspec.cluster.intent import MEMBER_NAME, Intent, actor_name, role_of
+    intent = Intent.fresh(StackConfig(drafter=RoleConfig(replicas=2)), "s1")
+    assert intent.replicas == {"drafter": 2, "verifier": 1}
+    ids = [intent.new_id("drafter"), intent.new_id("verifier"), intent.new_id("drafter")]
+    assert ids == ["drafter-0", "verifier-0", "drafter-1"]  # never reused within a stack
+    intent.members, intent.draining = list(ids), ["drafter-1"]
+    assert intent.forget("drafter-1") and not intent.forget("drafter-1")
+    assert intent.members == ["drafter-0", "verifier-0"] and intent.draining == []
+    assert Intent.from_json(intent.to_json()) == intent
+    assert role_of("verifier-12") == "verifier"
+    assert MEMBER_NAME.fullmatch(actor_name("drafter-3"))
+    assert not MEMBER_NAME.fullmatch("chainspec-controller")
+    assert not MEMBER_NAME.fullmatch(actor_name("gateway-0"))  # not the controller's to kill
+
+
+def test_commands_refuse_a_stack_they_cannot_name(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("CHAINSPEC_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # never a fallback
+    for argv in (["status"], ["down"], ["scale", "verifiers", "2"]):
+        assert main([*argv, "--namespace", "nobody"]) == 1
+        err = capsys.readouterr().err
+        assert "no state file" in err and "--address" in err and "--namespace" in err, err
+
+
+def test_a_dead_address_is_a_fast_error_and_the_state_file_goes(tmp_path, monkeypatch):
+    import socket
+    import time
+
+    from chainspec.cluster import stack
+    monkeypatch.setenv("CHAINSPEC_STATE_DIR", str(tmp_path))
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    path = stack.state_path("dead")
+    path.write_text(json.dumps({"address": address, "namespace": "dead", "owner_pid": None}))
+    t0 = time.monotonic()
+    with pytest.raises(stack.StackNotFound, match=f"no Ray cluster answers at {address}.*"
+                                                  "removed the stale state file"):
+        stack.status(namespace="dead")
+    assert time.monotonic() - t0 < stack.PROBE_TIMEOUT_S + 1 and not path.exists()
