@@ -15,6 +15,7 @@ added with `on_failure` hear it at once; `stalled` tells a stuck thread from a b
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -27,6 +28,8 @@ from typing import Any
 from chainspec.engine.request import RequestOutput, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.verifier import VerifierEngine
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
@@ -207,9 +210,9 @@ class AsyncVerifier:
         except BaseException as e:  # an engine bug: fail loudly, never hang the clients
             self._failure = self._stopped = f"verifier engine failed: {type(e).__name__}: {e}"
             self._fail_all(self._stopped)
+            log.exception("verifier engine thread died")
             for listener in self._failure_listeners:
                 listener(self._failure)
-            raise
 
     def _run_commands(self, block: bool) -> bool:
         """Run queued commands (waiting for one when `block`); False once told to stop."""

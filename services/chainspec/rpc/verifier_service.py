@@ -40,6 +40,7 @@ from chainspec.rpc.channel import ClientOptions
 from chainspec.rpc.codec import WireError
 from chainspec.rpc.draft_pool import DrafterMatch, GrpcDraftClient
 from chainspec.rpc.drafter_service import chainspec_version
+from chainspec.rpc.engine_watchdog import EngineWatchdog
 from chainspec.rpc.generate_codec import (
     GenerateArgs,
     GenerateLimits,
@@ -197,10 +198,13 @@ class VerifierOptions:
     max_waiting: int = 64  # queued requests beyond the running slots
     default_max_tokens: int = 256
     draft_deadline_s: float = 0.05  # how long a round waits for drafts
+    stall_limit_s: float = 60.0  # one engine step or command longer than this: not serving
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0 or self.default_max_tokens < 1:
             raise ValueError("max_waiting must be >= 0 and default_max_tokens >= 1")
+        if self.stall_limit_s <= 0:
+            raise ValueError(f"stall_limit_s must be > 0, got {self.stall_limit_s}")
         if self.draft_deadline_s <= 0:
             raise ValueError(f"draft_deadline_s must be > 0, got {self.draft_deadline_s}")
 
@@ -213,9 +217,19 @@ class VerifierServer:
     """A running verifier: its gRPC server, engine and drafter pool."""
 
     def __init__(self, running: RunningServer, engine: AsyncVerifier,
-                 drafts: GrpcDraftClient, metrics: VerifierMetrics | None = None) -> None:
+                 drafts: GrpcDraftClient, metrics: VerifierMetrics | None = None,
+                 watchdog: EngineWatchdog | None = None) -> None:
         self.running, self.engine, self.drafts = running, engine, drafts
-        self.metrics = metrics
+        self.metrics, self.watchdog = metrics, watchdog
+
+    @property
+    def failure(self) -> str | None:
+        """Why this verifier's engine is out of service (None while it serves)."""
+        return self.watchdog.failure if self.watchdog is not None else self.engine.failure
+
+    def link_states(self) -> dict[str, str]:
+        """Each wanted drafter endpoint -> its link state (live, connecting, dead, ...)."""
+        return {ep: str(state) for ep, state in self.drafts.states().items()}
 
     @property
     def address(self) -> str:
@@ -252,17 +266,19 @@ class VerifierServer:
 async def serve_verifier(opts: VerifierOptions, server: ServerOptions,
                          drafters: Sequence[str] = (),
                          client: ClientOptions | None = None,
-                         metrics: VerifierMetrics | None = None) -> VerifierServer:
+                         metrics: VerifierMetrics | None = None,
+                         on_failure: Callable[[str], None] | None = None) -> VerifierServer:
     """Load the target, build the engine over a gRPC drafter pool, start the Verifier
     service, warm up, then report SERVING. `metrics` observes the engine, the pool and
-    the gRPC calls (served on `server.metrics_port` when set)."""
+    the gRPC calls (served on `server.metrics_port` when set). If the engine thread dies
+    or stalls, health turns NOT_SERVING and `on_failure(reason)` is called once."""
     target, tokenizer = await asyncio.to_thread(_load, opts.model)
     m = opts.model
     fingerprint = model_fingerprint(target)
     match = DrafterMatch(m.num_steps, target.config.hidden_size, target.config.vocab_size,
                          fingerprint)  # a drafter of another model is never used
     drafts = GrpcDraftClient((), client or ClientOptions(), opts.draft_deadline_s, match=match,
-                             observer=metrics)
+                             observer=metrics, max_seqs=m.max_seqs)
     config = VerifierConfig(num_steps=m.num_steps, max_seqs=m.max_seqs, max_len=m.max_len,
                             max_batch_tokens=max(1024, m.max_seqs * (m.num_steps + 1)))
     eos = tokenizer.eos_token_ids if tokenizer is not None else ()
@@ -279,7 +295,8 @@ async def serve_verifier(opts: VerifierOptions, server: ServerOptions,
     running.add_stop_hook(servicer.close)
     running.add_stop_hook(engine.shutdown)
     running.add_stop_hook(drafts.close)
-    verifier = VerifierServer(running, engine, drafts, metrics)
+    watchdog = EngineWatchdog(engine, running, opts.stall_limit_s, on_failure)
+    verifier = VerifierServer(running, engine, drafts, metrics, watchdog)
     try:
         await verifier.set_drafters(drafters)
         await asyncio.to_thread(drafts.wait_connected, drafts.connect_timeout_s + 1.0)
@@ -291,6 +308,7 @@ async def serve_verifier(opts: VerifierOptions, server: ServerOptions,
     # idle: the next step reads the new observer)
     core.observer = metrics
     await running.set_serving(True)
+    watchdog.start()
     return verifier
 
 
