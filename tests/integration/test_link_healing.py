@@ -19,7 +19,7 @@ from tests.integration.grpc_helpers import (
     start_drafter,
     wait_until,
 )
-from tests.integration.test_draft_pool import K, MAX_TOKENS, Driver
+from tests.integration.test_draft_pool import MAX_TOKENS, Driver, K
 from tests.integration.tiny_checkpoint import write_tiny_model
 from tests.unit.engine_fixtures import engine, outputs, prompts
 
