@@ -217,3 +217,42 @@ def test_client_options_are_validated(kwargs, message) -> None:
 def test_missing_certificate_file_is_a_clear_error(loop, draft, tmp_path) -> None:
     with pytest.raises(OSError, match=r"tls_(cert|key): cannot read .*none"):
         _server(loop, draft, tls_cert=tmp_path / "none.pem", tls_key=tmp_path / "none.key")
+
+
+def test_token_on_every_call_kind_of_an_asyncio_channel(loop, draft) -> None:
+    """grpc.aio files an interceptor under the first call kind it implements, so one
+    object for all four kinds sent the token on unary calls only; each kind is checked
+    here: unary (Info), bidi stream (Draft) and bidi reflection."""
+    srv = _server(loop, draft, auth_token=TOKEN)
+
+    async def calls(token: str | None) -> list[grpc.StatusCode]:
+        codes = []
+        opts = ClientOptions(auth_token=token) if token else ClientOptions()
+        async with make_aio_channel(srv.address, opts) as ch:
+            async def code(make) -> None:
+                try:
+                    await make()
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as e:
+                    codes.append(e.code())
+
+            async def draft_stream():
+                async for _ in pb_grpc.DrafterStub(ch).Draft(iter([pb.DraftRequest(batch_id=1)]),
+                                                              timeout=5):
+                    pass
+
+            async def reflect():
+                stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+                req = reflection_pb2.ServerReflectionRequest(list_services="")
+                async for _ in stub.ServerReflectionInfo(iter([req]), timeout=5):
+                    pass
+            await code(lambda: pb_grpc.DrafterStub(ch).Info(pb.DrafterInfoRequest(), timeout=5))
+            await code(draft_stream)
+            await code(reflect)
+        return codes
+
+    try:
+        assert loop.run(calls(TOKEN)) == [grpc.StatusCode.OK] * 3
+        assert loop.run(calls(None)) == [grpc.StatusCode.UNAUTHENTICATED] * 3
+    finally:
+        loop.run(srv.stop(0))
