@@ -30,6 +30,7 @@ from chainspec.rpc.verifier_service import VerifierOptions, serve_verifier
 
 log = logging.getLogger(__name__)
 WATCH_TIMEOUT_S = 10.0
+FAILED_EXIT_S = 2.0  # a verifier whose engine failed reports it, then exits (Ray restarts it)
 REGISTER_TRIES = 20  # ~1 min of backoff; after that the controller's pings must do
 
 
@@ -43,12 +44,17 @@ class _ServiceActor:
         self._start = asyncio.get_running_loop().create_task(self._start_and_register())
 
     async def ping(self) -> dict[str, Any]:
-        """State for the controller: serving, endpoint, load, pid, node, metrics_url, error."""
+        """State for the controller: serving, endpoint, load, pid, node, metrics_url, error,
+        and a verifier's drafter links (endpoint -> live/connecting/dead/...)."""
         node = ray.util.get_node_ip_address()
-        return {"serving": self.server is not None and not self.server_draining,
+        failure = getattr(self.server, "failure", None)  # a dead or stuck engine
+        return {"serving": self.server is not None and not self.server_draining
+                and failure is None,
                 "endpoint": self.endpoint, "load": self.load, "pid": os.getpid(),
-                "node": node, "error": self.error,
+                "node": node, "error": self.error or failure,
                 "metrics_url": self.server.metrics_url(node) if self.server is not None
+                else None,
+                "links": self.server.link_states() if hasattr(self.server, "link_states")
                 else None}
 
     async def drain(self) -> None:
@@ -160,9 +166,19 @@ class VerifierActor(_ServiceActor):
         opts = VerifierOptions(model=c.local_options(self.role), max_waiting=c.max_waiting,
                                draft_deadline_s=c.draft_deadline_s)
         server = await serve_verifier(opts, self.server_options(), client=c.client_options(),
-                                      metrics=VerifierMetrics(opts.name, c.num_steps))
+                                      metrics=VerifierMetrics(opts.name, c.num_steps),
+                                      on_failure=self._engine_failed)
         self._watch = asyncio.get_running_loop().create_task(self._follow_drafters(server))
         return server
+
+    def _engine_failed(self, reason: str) -> None:
+        """Health is NOT_SERVING already: tell the controller why, then exit the process so
+        Ray restarts this actor with a fresh engine (its requests have failed UNAVAILABLE,
+        and the gateway retries new ones on another verifier)."""
+        log.error("%s: %s; restarting", self.member_id, reason)
+        loop = asyncio.get_running_loop()
+        loop.create_task(self._register())
+        loop.call_later(FAILED_EXIT_S, os._exit, 1)
 
     async def stats(self) -> dict[str, float]:
         """Cumulative engine and draft-pool counters (for benchmarks)."""

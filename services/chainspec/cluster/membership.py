@@ -27,6 +27,7 @@ class Member:
     metrics_url: str | None = None
     restarts: int = 0  # times the controller saw it come back with a new pid
     error: str | None = None
+    links: dict[str, str] | None = None  # a verifier's drafter endpoint -> link state
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -45,6 +46,7 @@ class Member:
         self.pid, self.node, self.load = info["pid"], info["node"], info["load"]
         self.endpoint, self.error = info["endpoint"], info["error"]
         self.metrics_url = info.get("metrics_url", self.metrics_url)
+        self.links = info.get("links", self.links)
         if self.state is not MemberState.DRAINING:
             if info["error"]:
                 self.state = MemberState.DEAD
