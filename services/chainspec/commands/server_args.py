@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -69,14 +70,20 @@ def jsonable(value):
     return str(value) if isinstance(value, Path) else value
 
 
-async def serve_until_signal(role: str, drain: Callable[[], Awaitable[None]]) -> int:
-    """Run until SIGTERM or SIGINT, then drain; the exit status of a service command."""
+async def serve_until_signal(role: str, drain: Callable[[], Awaitable[None]],
+                             failed: asyncio.Future | None = None) -> int:
+    """Run until SIGTERM or SIGINT (exit 0) or until `failed` resolves with a reason (the
+    service can no longer serve: exit 1, so a supervisor restarts it); drain either way."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waits = {asyncio.ensure_future(stop.wait()), *([failed] if failed is not None else [])}
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    reason = failed.result() if failed is not None and failed.done() else None
+    if reason is not None:
+        print(f"{role} failed: {reason}", file=sys.stderr, flush=True)
     print(f"{role} draining", flush=True)
     await drain()
     print(f"{role} stopped", flush=True)
-    return 0
+    return 1 if reason is not None else 0

@@ -90,9 +90,15 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(cmd: VerifierCommand) -> int:
     metrics = VerifierMetrics(cmd.verifier.name, cmd.verifier.model.num_steps) \
         if cmd.server.metrics_port is not None else None
-    verifier = await serve_verifier(cmd.verifier, cmd.server, cmd.drafters, cmd.client, metrics)
+    failed: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def engine_failed(reason: str) -> None:
+        if not failed.done():
+            failed.set_result(reason)
+    verifier = await serve_verifier(cmd.verifier, cmd.server, cmd.drafters, cmd.client, metrics,
+                                    on_failure=engine_failed)
     print(f"verifier serving {verifier.address} (drafters: {len(verifier.drafts.loads())})",
           flush=True)
     if metrics is not None:
         print(f"verifier metrics {verifier.metrics_url()}", flush=True)
-    return await serve_until_signal("verifier", verifier.drain)
+    return await serve_until_signal("verifier", verifier.drain, failed)
