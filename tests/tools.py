@@ -1,6 +1,6 @@
 """Finding the external tools tests drive: Helm 3 (on PATH or in ./.tools/bin, see
-`make tools`), the kubernetes-validate package and the upstream CRD schemas in
-../shared/crds for the chart tests. A missing one skips the test with the reason, or
+`make tools`), the kubernetes-validate package and the upstream CRD schemas vendored in
+tests/helm/crds for the chart tests. A missing one skips the test with the reason, or
 fails it under CHAINSPEC_REQUIRE_TOOLS=1 (CI), so a CI run can never pass by skipping
 everything."""
 
@@ -17,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "chainspec"
-CRD_DIR = REPO.parent / "shared" / "crds"
+CRD_DIR = REPO / "tests" / "helm" / "crds"  # vendored upstream copies, see its README
 REQUIRE_ENV = "CHAINSPEC_REQUIRE_TOOLS"
 
 
@@ -65,10 +65,11 @@ def kubernetes_validate():
 
 
 def crd_dir() -> Path:
-    """The folder with the upstream CRDs (never copied into the repo)."""
+    """The folder with the vendored upstream CRDs; a missing one is a broken checkout, so
+    it fails rather than skips."""
     if not (CRD_DIR / "ray.io_rayclusters.yaml").is_file():
-        missing(f"the CRD schemas folder {CRD_DIR}",
-                "tests read upstream CRDs from ../shared/crds beside the repo")
+        pytest.fail(f"the vendored CRD schemas are missing from {CRD_DIR} (see its README)",
+                    pytrace=False)
     return CRD_DIR
 
 

@@ -1,4 +1,4 @@
-"""Validate custom resources against upstream CRD schemas (../shared/crds) the way the
+"""Validate custom resources against upstream CRD schemas (tests/helm/crds) the way the
 API server would: the version's openAPIV3Schema, plus the fields it would silently prune
 (unknown to a structural schema), which we treat as errors."""
 

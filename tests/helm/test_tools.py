@@ -18,11 +18,20 @@ def test_missing_tool_fails_when_tools_are_required(monkeypatch):
         tools.missing("helm", "run make tools")
 
 
-def test_missing_crd_folder_fails_when_tools_are_required(monkeypatch, tmp_path):
-    monkeypatch.setenv(tools.REQUIRE_ENV, "1")
+def test_missing_vendored_crds_fail_even_without_required_tools(monkeypatch, tmp_path):
+    monkeypatch.delenv(tools.REQUIRE_ENV, raising=False)
     monkeypatch.setattr(tools, "CRD_DIR", tmp_path / "absent")
-    with pytest.raises(pytest.fail.Exception, match="CRD schemas folder"):
+    with pytest.raises(pytest.fail.Exception, match="vendored CRD schemas are missing"):
         tools.crd_dir()
+
+
+def test_the_vendored_crds_are_the_documented_upstream_versions():
+    readme = (tools.CRD_DIR / "README.md").read_text()
+    for name in sorted(p.name for p in tools.CRD_DIR.glob("*.yaml")):
+        row = next((line for line in readme.splitlines() if line.startswith(f"| {name} ")),
+                   None)
+        assert row is not None, f"{name} has no source row in the README"
+        assert "| v" in row and "Apache-2.0" in row
 
 
 def test_helm_found_is_helm_3():
