@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 
 import pytest
 import yaml
@@ -13,7 +14,7 @@ import yaml
 from chainspec.gateway.metrics import GatewayMetrics
 from chainspec.metrics.drafter import DrafterMetrics
 from chainspec.metrics.verifier import VerifierMetrics
-from tests.tools import CHART, REPO, promtool_check
+from tests.tools import CHART, REPO, promtool, promtool_check
 
 DASHBOARD = REPO / "deploy" / "grafana" / "chainspec.json"
 RULES = REPO / "deploy" / "prometheus" / "rules.yaml"
@@ -130,3 +131,35 @@ def test_alerts_cover_the_failure_modes():
         if "alert" in r:
             assert r["labels"]["severity"] in {"warning", "critical"}
             assert r["annotations"]["summary"]
+
+
+def test_the_speculation_off_alert_fires_only_while_ready_drafters_go_unused(tmp_path):
+    """promtool's rule unit test: a verifier with 0 connected drafters while the membership
+    lists one fires after 1 minute; 0 connected with none listed (plain serving by
+    choice) never fires; a link that heals within the minute never fires."""
+    (tmp_path / "rules.yaml").write_text(RULES.read_text())
+    rule = next(r for r in rules() if r.get("alert") == "ChainspecSpeculationOff")
+    annotations = {"summary": "chainspec verifier verifier-0 has no drafter link while "
+                              "drafters are ready",
+                   "description": rule["annotations"]["description"]}
+    labels = '{model="m", member="verifier-0"}'
+    other = '{model="m", member="verifier-1"}'
+    healed = '{model="m", member="verifier-2"}'
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
+        "rule_files": ["rules.yaml"], "evaluation_interval": "15s",
+        "tests": [{"interval": "15s", "input_series": [
+            {"series": f"chainspec_drafters_connected{labels}", "values": "0x12"},
+            {"series": f"chainspec_drafters_wanted{labels}", "values": "1x12"},
+            {"series": f"chainspec_drafters_connected{other}", "values": "0x12"},
+            {"series": f"chainspec_drafters_wanted{other}", "values": "0x12"},
+            {"series": f"chainspec_drafters_connected{healed}", "values": "0 0 1x10"},
+            {"series": f"chainspec_drafters_wanted{healed}", "values": "1x12"},
+        ], "alert_rule_test": [
+            {"eval_time": "30s", "alertname": "ChainspecSpeculationOff", "exp_alerts": []},
+            {"eval_time": "2m", "alertname": "ChainspecSpeculationOff", "exp_alerts": [
+                {"exp_labels": {"severity": "critical", "model": "m",
+                                "member": "verifier-0"}, "exp_annotations": annotations}]},
+        ]}]}))
+    out = subprocess.run([promtool(), "test", "rules", "test.yaml"], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
