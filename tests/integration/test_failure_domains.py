@@ -17,6 +17,7 @@ import ray
 
 from chainspec.cluster import stack
 from chainspec.cluster.config import StackConfig
+from chainspec.cluster.intent import IntentStore
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 from tests.integration.helpers import generate, plain_outputs, prompt_ids, verifier_stub
 
@@ -93,31 +94,51 @@ def plain(model_dir, prompts):
 
 
 def test_controller_sigkill_loses_no_request_and_no_member(up, prompts, plain) -> None:
+    """32 streams keep going from before the kill until the new controller has
+    re-adopted every member: every one of them completes with plain greedy's tokens."""
     before = members_by_id()
     verifier = next(m for m in before.values() if m["role"] == "verifier")
     channel, stub = verifier_stub(verifier["endpoint"])
-    results: list = [None] * STREAMS
-    links: list[int] = []  # drafters the verifier routes to, sampled during the run
+    done: list = []  # Generated, or the RpcError that lost a request
+    links: list[int] = []  # drafters the verifier routes to, sampled meanwhile
+    stop = threading.Event()
 
     def work(i):
-        try:
-            results[i] = generate(stub, prompts[i], TOKENS, timeout=120)
-        except grpc.RpcError as e:
-            results[i] = e
+        while not stop.is_set():
+            try:
+                done.append((i, generate(stub, prompts[i], TOKENS, timeout=120)))
+            except grpc.RpcError as e:
+                done.append((i, e))
     threads = [threading.Thread(target=work, args=(i,)) for i in range(STREAMS)]
     for t in threads:
         t.start()
-    wait_for(lambda: stub.Info(pb.VerifierInfoRequest()).running >= 8, 60, "requests running")
-    old_pid, _ = kill_controller()
-    while any(t.is_alive() for t in threads):
+    try:
+        wait_for(lambda: stub.Info(pb.VerifierInfoRequest()).running >= 8, 60,
+                 "requests running")
+        old_pid, t0 = kill_controller()
+        sampler = threading.Thread(target=sample_links, args=(stub, links, stop))
+        sampler.start()
+        after = ready_after_restart(old_pid)
+        print(f"controller back, members ready, in {time.monotonic() - t0:.1f} s; "
+              f"{len(done)} requests done so far")
+        time.sleep(0.5)  # and a little beyond
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(130)
+    sampler.join(10)
+    channel.close()
+    assert len(done) > STREAMS  # requests spanned the controller's downtime
+    assert [getattr(r, "tokens", r) for _, r in done] == [plain[i] for i, _ in done]
+    assert sum(r.finished.stats.accepted_tokens for _, r in done) > 0
+    assert links and min(links) == 1, "the verifier dropped its drafter link"
+    assert {k: m["pid"] for k, m in after.items()} == {k: m["pid"] for k, m in before.items()}
+
+
+def sample_links(stub, links: list[int], stop: threading.Event) -> None:
+    while not stop.is_set():
         links.append(stub.Info(pb.VerifierInfoRequest()).drafters)
         time.sleep(0.05)
-    channel.close()
-    assert [getattr(r, "tokens", r) for r in results] == plain  # 0 lost, lossless
-    assert sum(r.finished.stats.accepted_tokens for r in results) > 0
-    assert min(links) == 1, "the verifier dropped its drafter link"
-    after = ready_after_restart(old_pid)
-    assert {k: m["pid"] for k, m in after.items()} == {k: m["pid"] for k, m in before.items()}
 
 
 def test_restarted_controller_keeps_scaled_count_and_members(up, prompts, plain) -> None:
@@ -129,14 +150,43 @@ def test_restarted_controller_keeps_scaled_count_and_members(up, prompts, plain)
     took = time.monotonic() - t0
     assert sorted(k for k, m in after.items() if m["role"] == "drafter") == drafters, after
     print(f"controller back with {len(drafters)} drafters ready in {took:.1f} s")
-    # it still acts: a scale-down after the restart drains one of the adopted drafters
-    stack.scale("drafter", 1, namespace=NS)
-    assert len([m for m in members_by_id().values() if m["role"] == "drafter"]) == 1
     verifier = next(m for m in after.values() if m["role"] == "verifier")
     channel, stub = verifier_stub(verifier["endpoint"])
     got = generate(stub, prompts[0], TOKENS)
     channel.close()
     assert got.tokens == plain[0] and got.finished.stats.accepted_tokens > 0
+
+
+def test_restarted_controller_finishes_a_drain_it_had_begun(up, prompts, plain) -> None:
+    """A controller dies mid scale-down: its intent says 1 drafter and drafter X
+    draining; the restarted controller drains X (and only X) to the end."""
+    drafters = {k: m for k, m in members_by_id().items() if m["role"] == "drafter"}
+    assert len(drafters) == 2
+    victim = max(drafters)
+    pid = controller_pid()
+    os.kill(pid, signal.SIGSTOP)  # frozen: it writes nothing while we edit its intent
+    try:
+        store = IntentStore(NS)
+        intent = store.load()
+        intent.replicas["drafter"], intent.draining = 1, [victim]
+        store.save(intent)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    def drained():
+        try:
+            ms = members_by_id()
+        except stack.StackError:  # the controller restarting
+            return False
+        return sorted(k for k, m in ms.items() if m["role"] == "drafter") == \
+            sorted(set(drafters) - {victim})
+    wait_for(drained, RECOVERY_S + 30, f"{victim} drained and gone")
+    wait_for(lambda: not _alive(drafters[victim]["pid"]), 30, "the drained drafter's exit")
+    assert IntentStore(NS).load().draining == []
+    verifier = next(m for m in members_by_id().values() if m["role"] == "verifier")
+    channel, stub = verifier_stub(verifier["endpoint"])
+    got = generate(stub, prompts[2], TOKENS)
+    channel.close()
+    assert got.tokens == plain[2]
 
 
 def test_members_outlive_a_controller_killed_for_good_and_down_kills_them(

@@ -136,6 +136,21 @@ def test_local_stack_has_a_random_token_that_status_never_shows(embedded) -> Non
                              metadata=[("authorization", f"Bearer {token}")])
             assert info.drafters == 1
         channel.close()
+    # a gateway joining the stack by address reads the token from the controller
+    port = free_port()
+    gateway = Process([*CHAINSPEC, "gateway", "--address", embedded.state["address"],
+                       "--namespace", NS, "--port", str(port)], environ(embedded.state_dir))
+    try:
+        gateway.wait_for("gateway serving", 120)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        assert wait_until(lambda: httpx.post(url, json={"prompt": [1, 2, 3], "max_tokens": 4},
+                                             timeout=30).status_code == 200, 30), \
+            httpx.post(url, json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=30).text \
+            + gateway.output()
+        assert token not in gateway.output()
+    finally:
+        gateway.proc.terminate()
+        gateway.proc.wait(60)
 
 
 @pytest.mark.parametrize("command", [["status"], ["scale", "drafters", "0"], ["down"]])

@@ -156,7 +156,11 @@ def _ask(ref):
 
 def scale(role: str, n: int, address: str | None = None, namespace: str = NAMESPACE,
           wait: bool = True) -> list[dict[str, Any]]:
-    return ray.get(connect(address, namespace).scale.remote(role, n, wait))
+    try:
+        return ray.get(connect(address, namespace).scale.remote(role, n, wait))
+    except ray.exceptions.ActorUnavailableError:
+        raise StackError(f"the controller restarted while scaling; it had recorded {n} "
+                         f"{role}(s) first and carries on: see `chainspec status`") from None
 
 
 def down(address: str | None = None, namespace: str = NAMESPACE) -> None:
