@@ -147,7 +147,15 @@ def test_intent_counts_ids_forgets_members_and_round_trips() -> None:
     assert not MEMBER_NAME.fullmatch(actor_name("gateway-0"))  # not the controller's to kill
 
 
-def test_commands_refuse_a_stack_they_cannot_name(tmp_path, monkeypatch, capsys) -> None:
+@pytest.fixture
+def no_ray(monkeypatch):
+    """As in a fresh CLI process, even when an earlier test joined a Ray here."""
+    import ray
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+
+
+def test_commands_refuse_a_stack_they_cannot_name(tmp_path, monkeypatch, capsys,
+                                                   no_ray) -> None:
     monkeypatch.setenv("CHAINSPEC_STATE_DIR", str(tmp_path))
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # never a fallback
     for argv in (["status"], ["down"], ["scale", "verifiers", "2"]):
@@ -156,7 +164,8 @@ def test_commands_refuse_a_stack_they_cannot_name(tmp_path, monkeypatch, capsys)
         assert "no state file" in err and "--address" in err and "--namespace" in err, err
 
 
-def test_a_dead_address_is_a_fast_error_and_the_state_file_goes(tmp_path, monkeypatch):
+def test_a_dead_address_is_a_fast_error_and_the_state_file_goes(tmp_path, monkeypatch,
+                                                                no_ray) -> None:
     import socket
     import time
 
