@@ -230,6 +230,9 @@ def test_up_fails_with_the_reason_and_leaves_nothing(ray_cluster, tmp_path) -> N
         stack.up(config, timeout_s=60)
     with pytest.raises(stack.StackNotFound):
         stack.status(namespace="chainspec-bad")
+    import ray  # members are detached actors: nothing of the failed stack may linger
+    wait_for(lambda: not [a for a in ray.util.list_named_actors(all_namespaces=True)
+                          if a["namespace"] == "chainspec-bad"], 10, "no actor left")
 
 
 def cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
