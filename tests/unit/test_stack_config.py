@@ -164,20 +164,26 @@ def test_commands_refuse_a_stack_they_cannot_name(tmp_path, monkeypatch, capsys,
         assert "no state file" in err and "--address" in err and "--namespace" in err, err
 
 
+@pytest.mark.parametrize("listening", [False, True], ids=["nothing", "not-ray"])
 def test_a_dead_address_is_a_fast_error_and_the_state_file_goes(tmp_path, monkeypatch,
-                                                                no_ray) -> None:
+                                                                no_ray, listening) -> None:
+    """Nothing listening, or a socket that accepts but is no Ray (Ray's own connect
+    would hang for minutes on either)."""
     import socket
     import time
 
     from chainspec.cluster import stack
     monkeypatch.setenv("CHAINSPEC_STATE_DIR", str(tmp_path))
-    with socket.socket() as s:  # a port nothing listens on
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
+        if listening:
+            s.listen()
         address = f"127.0.0.1:{s.getsockname()[1]}"
-    path = stack.state_path("dead")
-    path.write_text(json.dumps({"address": address, "namespace": "dead", "owner_pid": None}))
-    t0 = time.monotonic()
-    with pytest.raises(stack.StackNotFound, match=f"no Ray cluster answers at {address}.*"
-                                                  "removed the stale state file"):
-        stack.status(namespace="dead")
+        path = stack.state_path("dead")
+        path.write_text(json.dumps({"address": address, "namespace": "dead",
+                                    "owner_pid": None}))
+        t0 = time.monotonic()
+        with pytest.raises(stack.StackNotFound, match=f"no Ray cluster answers at {address}"
+                                                      ".*removed the stale state file"):
+            stack.status(namespace="dead")
     assert time.monotonic() - t0 < stack.PROBE_TIMEOUT_S + 1 and not path.exists()

@@ -8,7 +8,7 @@ so `status`, `scale` and `down` in another process join the same Ray.
 
 A command acts only on a stack it can name (DESIGN 4.4): the explicit `address`, else the
 namespace's state file -- never `$RAY_ADDRESS` or "auto" on its own. The address is
-probed with a plain TCP connect first (Ray's own connect retries for minutes), and a
+probed first with one short GCS call (Ray's own connect retries for minutes), and a
 state file whose Ray is gone, or whose owner is dead and whose controller is gone, is
 removed with a message.
 """
@@ -34,7 +34,8 @@ from chainspec.cluster.controller import START_TIMEOUT_S, Controller
 from chainspec.cluster.intent import IntentStore, actor_name
 
 STATE_ENV = "CHAINSPEC_STATE_DIR"
-PROBE_TIMEOUT_S = 2.0  # TCP connect to a Ray address before joining it
+PROBE_TIMEOUT_S = 2.0  # asking a Ray address whether a cluster is there, before joining
+GCS_PROBE_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
 CALL_TIMEOUT_S = 10.0  # a controller query (members, config)
 SHUTDOWN_TIMEOUT_S = 60.0
 _joined: list[str] = []  # the address this process joined (for `Target`)
@@ -239,16 +240,36 @@ def _resolve(address: str) -> str:
 
 
 def _probe(address: str) -> None:
-    """A TCP connect to the Ray address (GCS, or ray:// client server) within
-    PROBE_TIMEOUT_S: Ray's own connect retries for minutes against a dead address."""
+    """Ask the address, within PROBE_TIMEOUT_S, whether a Ray cluster is there: Ray's own
+    connect retries for minutes against a dead address, and hangs on one where something
+    else listens."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
         raise StackNotFound(f"bad Ray address {address!r}: expected HOST:PORT")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), PROBE_TIMEOUT_S).close()
-    except OSError as e:
-        raise StackNotFound(f"no Ray cluster answers at {address} ({e.strerror or e})") \
-            from None
+    if address.startswith("ray://"):  # the Ray Client server: a plain TCP connect
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), PROBE_TIMEOUT_S).close()
+        except OSError as e:
+            raise StackNotFound(f"no Ray cluster answers at {address} ({e.strerror or e})") \
+                from None
+        return
+    _probe_gcs(address)
+
+
+def _probe_gcs(address: str) -> None:
+    """One GCS call (Ray 2.60's NodeInfoGcsService.GetClusterId, an empty request)."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            channel.unary_unary(GCS_PROBE_METHOD)(b"", timeout=PROBE_TIMEOUT_S)
+            return
+        except grpc.RpcError as e:
+            code = e.code()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        raise StackNotFound(f"no Ray cluster answers at {address} ({code.name})")
+    if code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        raise StackNotFound(f"{address} answers, but not as a Ray cluster ({code.name})")
 
 
 def _init(address: str | None, namespace: str) -> None:
