@@ -3,7 +3,9 @@ given with --verifier (repeat), or to the ready verifiers of the stack at --addr
 (its controller's membership).
 
 For plain deployments (the gateway as its own pod) and debugging. Prints
-`gateway serving <url>` once it listens; SIGTERM or SIGINT stops it.
+`gateway serving <url>` once it listens; SIGTERM or SIGINT stops it. With --address it
+joins the running stack (a restarted gateway joins again; stopping it never stops the
+stack) and uses the stack's service token unless one is given.
 """
 
 from __future__ import annotations

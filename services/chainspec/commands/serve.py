@@ -7,6 +7,11 @@ drafter, the gateway on 127.0.0.1:8000. `--address` joins an existing Ray cluste
 docs/design.md, "Gateway and serve"); flags override the file. `chainspec status`,
 `scale` and `down` work against it from another shell (same --namespace). Ctrl-C, SIGTERM
 or `chainspec down` stops the gateway and then the stack.
+
+`serve` owns what it started: the stack (and an embedded Ray) stop when it stops; it
+refuses to start where a stack already runs in the namespace. On an embedded Ray the
+services get a random token, so no other local process can call them (`--token-file`
+sets your own).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Without --detach it stays in the foreground until Ctrl-C (or SIGTERM, e.g. from
 `chainspec down` in another shell) and then stops the stack. With --detach it returns
 once every member serves: on a cluster the detached controller keeps the stack alive; an
 embedded Ray is then hosted by a background `chainspec up` process (log and config in
-the state directory) that `chainspec down` stops.
+the state directory) that `chainspec down` stops. A stack on an embedded Ray gets a
+random service token unless --token-file/--token-env gives one.
 """
 
 from __future__ import annotations
