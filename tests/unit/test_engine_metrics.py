@@ -96,7 +96,7 @@ class _NoDrafts:
         if self.code is not None:
             self.ready.update({u.seq_id: SeqFailure(u.seq_id, self.code, "no") for u in updates})
 
-    def collect(self):
+    def collect(self, wait_for=None):
         ready, self.ready = self.ready, {}
         return ready
 

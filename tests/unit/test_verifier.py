@@ -74,7 +74,7 @@ class OracleClient:
             drafts = (seq[n + 1:n + 1 + self.k] + [0] * self.k)[: self.k]
             self.ready[u.seq_id] = DraftResult(u.seq_id, n, torch.tensor(drafts))
 
-    def collect(self):
+    def collect(self, wait_for=None):
         ready, self.ready = self.ready, {}
         return ready
 
@@ -90,7 +90,7 @@ class FaultyClient(LocalDraftClient):
         self.rng = random.Random(seed)
         self.faults = {"late": 0, "garbled": 0, "restart": 0}
 
-    def collect(self):
+    def collect(self, wait_for=None):
         out = {}
         for seq_id, outcome in super().collect().items():
             roll = self.rng.random()
@@ -221,7 +221,7 @@ class OutageClient(LocalDraftClient):
         super().__init__(drafter)
         self.outage = outage
 
-    def collect(self):
+    def collect(self, wait_for=None):
         ready = super().collect()
         if self.outage <= 0:
             return ready

@@ -3,7 +3,7 @@ directly; the gRPC client (rpc/) implements the same three verbs over a stream."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from chainspec.engine.draft_types import SeqOutcome, SeqUpdate
@@ -14,8 +14,10 @@ class DraftClient(Protocol):
     def submit(self, updates: Sequence[SeqUpdate]) -> None:
         """Send one batch of updates; drafts come back through `collect`."""
 
-    def collect(self) -> dict[int, SeqOutcome]:
-        """Outcomes for submitted updates that arrived in time (may be partial)."""
+    def collect(self, wait_for: Collection[int] | None = None) -> dict[int, SeqOutcome]:
+        """Outcomes for submitted updates that arrived in time (may be partial). Waits
+        (up to the round deadline) only for drafts of `wait_for` (None: every sequence);
+        outcomes of other sequences that are in are handed over too."""
 
     def release(self, seq_ids: Sequence[int]) -> None:
         """Forget sequences (finished, aborted, or moved elsewhere)."""
@@ -32,7 +34,7 @@ class LocalDraftClient:
         for upd, outcome in zip(updates, self.engine.update(updates), strict=True):
             self._ready[upd.seq_id] = outcome
 
-    def collect(self) -> dict[int, SeqOutcome]:
+    def collect(self, wait_for: Collection[int] | None = None) -> dict[int, SeqOutcome]:
         ready, self._ready = self._ready, {}
         return ready
 

@@ -68,6 +68,7 @@ class Request:
         self.sampling = sampling
         self.stop = stop
         self.slot = -1
+        self.group = 0  # pipelined group (VerifierConfig.groups), set at admission
         self.num_computed = 0  # positions < num_computed have target KV
         self.drafts: DraftResult | None = None  # proposals for the next verify
         self.drafter_synced = False  # the drafter holds this sequence's state

@@ -3,6 +3,12 @@ batched acceptance, commit, stop conditions, and the drafter protocol (DESIGN 3,
 
 One `step()`:
   collect drafts -> admit -> schedule -> forward -> accept -> commit -> send updates
+
+Pipelined groups (`VerifierConfig.groups` > 1, DESIGN 4.8): running sequences are split
+into groups that take turns, one group per step. A step waits only for its own group's
+drafts, and its updates leave as soon as its verdicts exist, so a remote drafter
+computes one group's drafts while the verifier runs another group's forward. Every
+sequence's own rounds are unchanged (same windows, same acceptance), so output is too.
 """
 
 from __future__ import annotations
@@ -43,10 +49,13 @@ class VerifierConfig:
     prefill_chunk: int = 512
     sampled_drafts: bool = True  # sampled requests get top-k sampled drafts, else greedy
     draft_top_k: int = 8  # support size asked of sampled drafts
+    groups: int = 1  # pipelined groups taking turns (1: every running sequence each step)
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
             raise ValueError(f"num_steps (K) must be >= 1, got {self.num_steps}")
+        if self.groups < 1:
+            raise ValueError(f"groups must be >= 1, got {self.groups}")
         if self.max_seqs < 1 or self.prefill_chunk < 1:
             raise ValueError("max_seqs and prefill_chunk must be >= 1")
         if self.max_batch_tokens < self.max_seqs * (self.num_steps + 1):
@@ -77,6 +86,7 @@ class VerifierEngine:
         self._next_seq_id = 0
         self.resyncs = 0
         self.steps = 0
+        self._turn = 0  # the group whose step is next
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
@@ -125,11 +135,13 @@ class VerifierEngine:
     def step(self) -> list[RequestOutput]:
         self.steps += 1
         started = time.perf_counter()
-        self._collect_drafts()
+        self._admit()
+        group = self._next_group()
+        self._collect_drafts(group)
         drafts_ready = time.perf_counter()
         outputs = self._reap()
-        self._admit()
-        work = schedule(self.running, self.config.max_batch_tokens, self.config.prefill_chunk)
+        group = [r for r in group if not r.finished]
+        work = schedule(group, self.config.max_batch_tokens, self.config.prefill_chunk)
         if not work:
             self._observe(started, drafts_ready, (), (), outputs)
             return outputs
@@ -157,12 +169,26 @@ class VerifierEngine:
             started, drafts_ready, time.perf_counter(), work, verdicts, outputs,
             len(self.running), len(self.waiting), kv, self.drafter is not None))
 
-    def _collect_drafts(self) -> None:
+    def _next_group(self) -> list[Request]:
+        """The running sequences whose turn it is (all of them without pipelining)."""
+        groups = self.config.groups if self.drafter is not None else 1
+        if groups == 1:
+            return list(self.running)
+        for _ in range(groups):
+            turn, self._turn = self._turn, (self._turn + 1) % groups
+            members = [r for r in self.running if r.group == turn]
+            if members:
+                return members
+        return []
+
+    def _collect_drafts(self, group: list[Request]) -> None:
         if self.drafter is None:
             return
         by_seq = {self.seq_ids[r.request_id]: r for r in self.running}
         resync: list[SeqUpdate] = []
-        for seq_id, outcome in self.drafter.collect().items():
+        wait_for = None if len(group) == len(self.running) else \
+            [self.seq_ids[r.request_id] for r in group]
+        for seq_id, outcome in self.drafter.collect(wait_for).items():
             req = by_seq.get(seq_id)
             if req is None or req.finished:
                 continue
@@ -213,6 +239,10 @@ class VerifierEngine:
             if req.finished:
                 continue
             req.slot = self.free_slots.pop()
+            sizes = [0] * self.config.groups
+            for r in self.running:
+                sizes[r.group] += 1
+            req.group = sizes.index(min(sizes))  # the smallest group
             self.running.append(req)
 
     def _reap(self) -> list[RequestOutput]:

@@ -28,7 +28,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -295,14 +295,18 @@ class GrpcDraftClient:
             for link, batch in batches.items():
                 self._send(link, batch)
 
-    def collect(self) -> dict[int, SeqOutcome]:
+    def collect(self, wait_for: Collection[int] | None = None) -> dict[int, SeqOutcome]:
         with self._cond:
             self._flush_releases()
             t0 = time.perf_counter()
             waited = False
+            group = None if wait_for is None else frozenset(wait_for)
             while True:
+                # NOTE: only batches holding drafts this round will verify are waited for
+                # (pipelined groups: another group's drafts keep computing meanwhile)
                 deadlines = [sent + self.round_deadline_s for link in self._open
-                             for sent, wanted in link.outstanding.values() if wanted]
+                             for sent, wanted in link.outstanding.values()
+                             if wanted and (group is None or not group.isdisjoint(wanted))]
                 remaining = max(deadlines, default=t0) - time.perf_counter()
                 if remaining <= 0:
                     break
