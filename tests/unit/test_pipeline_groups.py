@@ -9,6 +9,8 @@ import time
 import pytest
 
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
+from chainspec.engine.request import StopConditions
+from chainspec.engine.sampling import SamplingParams
 from tests.unit.engine_fixtures import engine, outputs, prompts, tied_pair
 
 
@@ -114,3 +116,20 @@ def test_without_groups_every_step_waits_for_every_draft(pair) -> None:
     client = _delayed(draft)
     outputs(engine(target, client=client), prompts(6, seed=8), 16)
     assert all(wait_for is None and not in_flight for wait_for, in_flight in client.log)
+
+
+def test_metrics_report_the_groups_taking_turns(pair) -> None:
+    from chainspec.metrics.verifier import VerifierMetrics
+
+    target, draft = pair
+    for groups, want in ((1, 1.0), (2, 2.0)):
+        vm = VerifierMetrics("tiny", 3)
+        eng = engine(target, draft, groups=groups)
+        eng.observer = vm
+        eng.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0),
+                        StopConditions(max_tokens=8))
+        eng.add_request("b", [4, 5], SamplingParams(temperature=0.0),
+                        StopConditions(max_tokens=8))
+        eng.step()
+        assert vm.registry.get_sample_value("chainspec_pipeline_groups",
+                                            {"model": "tiny"}) == want

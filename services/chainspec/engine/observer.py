@@ -32,6 +32,7 @@ class VerifierStepRecord:
     waiting: int
     kv_usage: float  # KV rows held by running sequences / rows the cache has
     speculative: bool  # a drafter is configured: a VERIFY item without drafts is a fallback
+    groups: int = 1  # pipelined groups with running sequences (this step ran one of them)
 
 
 class VerifierObserver(Protocol):

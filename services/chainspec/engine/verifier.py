@@ -165,9 +165,11 @@ class VerifierEngine:
             return
         kv = sum(r.num_computed for r in self.running) / (self.config.max_seqs *
                                                           self.config.max_len)
+        groups = len({r.group for r in self.running}) if self.drafter is not None else 1
         self.observer.step_done(VerifierStepRecord(
             started, drafts_ready, time.perf_counter(), work, verdicts, outputs,
-            len(self.running), len(self.waiting), kv, self.drafter is not None))
+            len(self.running), len(self.waiting), kv, self.drafter is not None,
+            max(1, groups)))
 
     def _next_group(self) -> list[Request]:
         """The running sequences whose turn it is (all of them without pipelining)."""

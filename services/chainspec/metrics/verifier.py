@@ -81,6 +81,9 @@ class VerifierMetrics(GrpcServiceMetrics):
                                  "Requests queued for a slot").child()
         self.kv_usage = rec.gauge("chainspec_kv_cache_usage_ratio",
                                   "KV rows held by running requests / KV rows (0-1)").child()
+        self.groups = rec.gauge("chainspec_pipeline_groups", "Pipelined groups taking turns "
+                                "(with running sequences) at the last step; 1: not "
+                                "pipelined").child()
         self.registry.register(rec)
         self.sources = DraftStatsCollector(model)
         self.registry.register(self.sources)
@@ -106,6 +109,7 @@ class VerifierMetrics(GrpcServiceMetrics):
             self.running.value = step.running
             self.waiting.value = step.waiting
             self.kv_usage.value = step.kv_usage
+            self.groups.value = step.groups
 
     # -- draft pool observer (a stream's reader thread) --------------------------------
     def round_trip(self, seconds: float) -> None:
