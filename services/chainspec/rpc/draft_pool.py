@@ -52,6 +52,7 @@ from chainspec.rpc.draft_codec import (
 )
 from chainspec.rpc.generated.v1 import drafter_pb2 as pb
 from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
+from chainspec.rpc.round_trace import RoundTrace
 
 log = logging.getLogger(__name__)
 DRAFTER_SERVICE = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -153,6 +154,7 @@ class GrpcDraftClient:
         self.connect_timeout_s = connect_timeout_s
         self.stats = DraftPoolStats()
         self.observer = observer
+        self.trace: RoundTrace | None = None  # opt-in hop timestamps (benchmarks)
         self._cond = threading.Condition()  # guards everything below
         self._wanted: set[str] = set()
         self._connecting: set[str] = set()
@@ -272,7 +274,10 @@ class GrpcDraftClient:
         link.state, link.open = LinkState.LIVE, True
         link.opened_s = time.monotonic()
         # NOTE: declares what routing lets it hold (see _route); beyond that, refused
-        responses = stub.Draft(iter(link.requests.get, _CLOSE),
+        requests = iter(link.requests.get, _CLOSE)
+        if self.trace is not None:
+            requests = _traced(requests, self.trace)
+        responses = stub.Draft(requests,
                                metadata=stream_metadata(max(1, link.capacity)))
         threading.Thread(target=self._read, args=(link, responses), daemon=True,
                          name=f"draft-pool-{endpoint}").start()
@@ -385,9 +390,13 @@ class GrpcDraftClient:
 
     def _send(self, link: _Link, updates: Sequence[SeqUpdate]) -> None:
         batch_id = next(self._batch_ids)
+        if self.trace is not None:
+            self.trace.mark(batch_id, "v_send")
         releases, link.pending_releases = tuple(link.pending_releases), []
         msg = encode_draft_request(DraftBatch(batch_id, tuple(updates), releases),
                                    self.hidden_dtype)
+        if self.trace is not None:
+            self.trace.mark(batch_id, "v_encoded")
         wanted = frozenset(u.seq_id for u in updates if u.want_drafts)
         link.outstanding[batch_id] = (time.perf_counter(), wanted)
         self.stats.batches_sent += 1
@@ -404,8 +413,12 @@ class GrpcDraftClient:
         error: grpc.RpcError | None = None
         try:
             for msg in responses:
+                if self.trace is not None:
+                    self.trace.mark(msg.batch_id, "v_recv")
                 size = msg.ByteSize()
                 reply = decode_draft_response(msg, link.limits)
+                if self.trace is not None:
+                    self.trace.mark(msg.batch_id, "v_decoded")
                 with self._cond:
                     self.stats.bytes_received += size
                     self._on_reply(link, reply.batch_id, reply.results)
@@ -474,6 +487,13 @@ class GrpcDraftClient:
         link.half_close()
         if link.channel is not None:
             link.channel.close()
+
+
+def _traced(requests, trace: RoundTrace):
+    """`requests`, marking when grpc's consumer thread takes each one."""
+    for msg in requests:
+        trace.mark(msg.batch_id, "v_pulled")
+        yield msg
 
 
 def _describe(error: BaseException | None) -> str:

@@ -45,6 +45,7 @@ from chainspec.rpc.draft_codec import (
 )
 from chainspec.rpc.generated.v1 import drafter_pb2 as pb
 from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
+from chainspec.rpc.round_trace import RoundTrace
 from chainspec.rpc.server import RunningServer, ServerOptions, start_server
 
 DRAFTER_SERVICE = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -93,6 +94,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="drafter-engine")
         self.draining = False
         self._ids = itertools.count()  # engine ids; touched on the worker thread only
+        self.trace: RoundTrace | None = None  # opt-in hop timestamps (benchmarks)
 
     def register(self, server: grpc.aio.Server) -> None:
         pb_grpc.add_DrafterServicer_to_server(self, server)
@@ -107,7 +109,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         loop = asyncio.get_running_loop()
         try:
             async for request in request_iterator:
-                yield await loop.run_in_executor(self.worker, self.answer, stream, request)
+                if self.trace is not None:
+                    self.trace.mark(request.batch_id, "d_recv")
+                response = await loop.run_in_executor(self.worker, self.answer, stream, request)
+                if self.trace is not None:
+                    self.trace.mark(request.batch_id, "d_send")
+                yield response
         finally:
             self._forget_stream(stream)
 
@@ -155,13 +162,23 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     # -- one request, on the worker thread -------------------------------------------
     def answer(self, stream: _Stream, request: pb.DraftRequest) -> pb.DraftResponse:
+        trace = self.trace
+        if trace is not None:
+            trace.mark(request.batch_id, "d_start")
         batch, failures = decode_draft_request(request, self.limits)
+        if trace is not None:
+            trace.mark(request.batch_id, "d_decoded")
         self._release(stream, batch.releases)
         if self.draining:
             results = self._refuse(stream, batch.updates)
         else:
             results = self._draft(stream, batch.updates)
-        return encode_draft_response(DraftReply(batch.batch_id, (*failures, *results)))
+        if trace is not None:
+            trace.mark(request.batch_id, "d_drafted")
+        response = encode_draft_response(DraftReply(batch.batch_id, (*failures, *results)))
+        if trace is not None:
+            trace.mark(request.batch_id, "d_encoded")
+        return response
 
     def _draft(self, stream: _Stream, updates: Sequence[SeqUpdate]) -> list[SeqOutcome]:
         fresh: set[int] = set()  # verifier ids given an engine id by this request
