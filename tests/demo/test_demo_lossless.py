@@ -1,5 +1,6 @@
 """The demo model: greedy speculative output equals greedy plain output, token for token,
-over 20+ held-out prompts, K = 1..4, batch sizes 1, 3 and 8, chain and non-chain."""
+over 20+ held-out prompts, K = 1..4, batch sizes 1, 3 and 8, chain and non-chain, and with
+two pipelined groups at batch 8."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def generate(models, opts, prompts, speculative: bool, batch: int):
+def generate(models, opts, prompts, speculative: bool, batch: int, groups: int = 1):
     eng = build_verifier(models, opts, speculative)
+    eng.config = dataclasses.replace(eng.config, groups=groups)  # pipelined groups
     stop = StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True)
     tokens, completions = [], []
     for i in range(0, len(prompts), batch):
@@ -42,3 +44,15 @@ def test_speculative_equals_plain(demo_models, heldout_prompts, plain, k, batch,
     tokens, stats = generate(models, opts, heldout_prompts, speculative=True, batch=batch)
     assert tokens == plain
     assert stats.accepted_tokens > 0.2 * stats.draft_tokens  # drafts were really at stake
+
+
+@pytest.mark.parametrize("chain", [True, False], ids=["chain", "nonchain"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_pipelined_groups_equal_plain(demo_models, heldout_prompts, plain, k, chain):
+    """Two groups taking turns (DESIGN 4.8) at batch 8: the same tokens as plain."""
+    opts, models = demo_models
+    opts = dataclasses.replace(opts, num_steps=k, chain=chain)
+    tokens, stats = generate(models, opts, heldout_prompts, speculative=True, batch=8,
+                             groups=2)
+    assert tokens == plain
+    assert stats.accepted_tokens > 0.2 * stats.draft_tokens

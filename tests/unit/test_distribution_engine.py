@@ -60,11 +60,13 @@ def plain_counts(pair):
     return first_two(engine(target, max_seqs=BATCH), seed_base=10_000_000)
 
 
-@pytest.mark.parametrize("sampled_drafts,top_k", [(False, 4), (True, 3)])
-def test_speculative_sampling_matches_plain(pair, plain_counts, sampled_drafts, top_k) -> None:
+@pytest.mark.parametrize("sampled_drafts,top_k,groups", [(False, 4, 1), (True, 3, 1),
+                                                         (True, 3, 2)])
+def test_speculative_sampling_matches_plain(pair, plain_counts, sampled_drafts, top_k,
+                                            groups) -> None:
     target, draft = pair
     eng = engine(target, draft, k=2, max_seqs=BATCH, top_k=top_k,
-                 sampled_drafts=sampled_drafts)
+                 sampled_drafts=sampled_drafts, groups=groups)
     spec = first_two(eng, seed_base=0)
     # x2 was decided by a verify round for every request, and drafts were really at stake:
     assert eng.drafted == 2 * REQUESTS
