@@ -184,14 +184,15 @@ def _spawn_drafter(model_dir) -> tuple[subprocess.Popen, str]:
     return proc, line.split()[-1]
 
 
-def test_drafter_killed_mid_run(models, model_dir, batch, plain, drafters) -> None:
-    """SIGKILL one drafter process: every request completes with plain's output, and the
-    lost drafter's sequences resync onto the survivor."""
+@pytest.mark.parametrize("groups", [1, 2])
+def test_drafter_killed_mid_run(models, model_dir, batch, plain, drafters, groups) -> None:
+    """SIGKILL one drafter process (also during pipelined rounds): every request completes
+    with plain's output, and the lost drafter's sequences resync onto the survivor."""
     proc, victim = _spawn_drafter(model_dir)
     try:
         (survivor,) = drafters(1)
         client = GrpcDraftClient([victim, survivor.address], round_deadline_s=PATIENT)
-        drive = Driver(engine(models[0], client=client, k=K))
+        drive = Driver(engine(models[0], client=client, k=K, groups=groups))
         ids = drive.add(batch, "r")
         drive.step_until(lambda: sum(client.loads().values()) == 8)
         drive.step(2)
@@ -200,7 +201,7 @@ def test_drafter_killed_mid_run(models, model_dir, batch, plain, drafters) -> No
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         drive.step_until(lambda: client.states()[victim] is LinkState.DEAD)
-        drive.step(2)  # the moved sequences resync
+        drive.step(2 * groups)  # the moved sequences resync (each group on its turn)
         running = drive.eng.num_running
         assert running > 0 and client.loads() == {survivor.address: running}
         assert wait_until(lambda: survivor.engine.load == running)
