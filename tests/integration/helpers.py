@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,42 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str,
+             describe: Callable[[], object] = lambda: "") -> object:
+    """The predicate's first truthy value within `timeout` s, else an AssertionError naming
+    `what` (and `describe()`, e.g. the stack's members)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} {describe()}")
+
+
+class Process:
+    """A long-running command (a `chainspec ...` process) and its output so far."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, needle: str, timeout: float) -> None:
+        """Until `needle` is printed; fails (with the output) if the process exits first."""
+        wait_for(lambda: needle in self.output() or self.proc.poll() is not None, timeout,
+                 repr(needle))
+        assert self.proc.poll() is None, self.output()
 
 
 @dataclass

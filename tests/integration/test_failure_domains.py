@@ -19,22 +19,18 @@ from chainspec.cluster import stack
 from chainspec.cluster.config import StackConfig
 from chainspec.cluster.intent import IntentStore
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
-from tests.integration.helpers import generate, plain_outputs, prompt_ids, verifier_stub
+from tests.integration.helpers import (
+    generate,
+    plain_outputs,
+    prompt_ids,
+    verifier_stub,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(240)
 NS = "chainspec-failure-domains"
 STREAMS, TOKENS = 32, 48
 RECOVERY_S = 30.0  # bound on a controller's restart + re-adoption
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def controller():

@@ -14,7 +14,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from chainspec.cluster import stack
 from chainspec.cluster.config import StackConfig
 from chainspec.rpc.verifier_service import VERIFIER_SERVICE
-from tests.integration.helpers import generate, plain_outputs, prompt_ids, verifier_stub
+from tests.integration.helpers import (
+    generate,
+    plain_outputs,
+    prompt_ids,
+    verifier_stub,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(240)
 NS = "chainspec-watchdog-test"
@@ -35,13 +41,7 @@ def _verifier() -> dict | None:
 
 
 def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"no {what} after {timeout} s: {stack.status(namespace=NS)}")
+    return wait_for(predicate, timeout, what, lambda: stack.status(namespace=NS))
 
 
 def _not_serving(endpoint: str) -> bool:

@@ -11,7 +11,6 @@ import os
 import shlex
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -20,28 +19,11 @@ import pytest
 
 from chainspec.models.tokenizer import Tokenizer
 from tests.integration.grpc_helpers import free_port, wait_until
-from tests.integration.helpers import plain_outputs, prompt_ids
+from tests.integration.helpers import Process, plain_outputs, prompt_ids
 
 pytestmark = pytest.mark.timeout(300)
 NS = "chainspec-serve-test"
 TOKENS = 24
-
-
-class Served:
-    """The `chainspec serve` process and its output so far."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=os.environ)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -53,12 +35,11 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def served(ray_cluster, model_dir):
     import ray
     port = free_port()
-    s = Served([sys.executable, "-m", "chainspec.cli", "serve", "--model", str(model_dir),
-                "--address", ray.get_runtime_context().gcs_address, "--namespace", NS,
-                "--port", str(port), "--max-len", "256", "--timeout", "240"])
+    s = Process([sys.executable, "-m", "chainspec.cli", "serve", "--model", str(model_dir),
+                 "--address", ray.get_runtime_context().gcs_address, "--namespace", NS,
+                 "--port", str(port), "--max-len", "256", "--timeout", "240"], os.environ)
     s.url = f"http://127.0.0.1:{port}"
-    ok = wait_until(lambda: "Ctrl-C stops it." in s.output() or s.proc.poll() is not None, 240)
-    assert ok and s.proc.poll() is None, s.output()
+    s.wait_for("Ctrl-C stops it.", 240)
     yield s
     if s.proc.poll() is None:
         s.proc.terminate()

@@ -19,6 +19,7 @@ import pytest
 from chainspec.cluster import stack
 from chainspec.cluster.config import StackConfig
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
+from tests.integration import helpers
 from tests.integration.helpers import (
     LoadGenerator,
     generate,
@@ -33,17 +34,12 @@ MEMBER_KEYS = {"role", "endpoint", "state", "load", "pid", "node", "metrics_url"
 
 
 def wait_for(predicate, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    try:
-        now = stack.status(namespace=NS)
-    except stack.StackNotFound as e:
-        now = str(e)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}: {now}")
+    def now():
+        try:
+            return stack.status(namespace=NS)
+        except stack.StackNotFound as e:
+            return str(e)
+    return helpers.wait_for(predicate, timeout, what, now)
 
 
 def members(role: str, state: str | None = "ready") -> list[dict]:

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 from chainspec.models.tokenizer import Tokenizer
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 from tests.integration.grpc_helpers import free_port, wait_until
-from tests.integration.helpers import plain_outputs, prompt_ids, verifier_stub
+from tests.integration.helpers import Process, plain_outputs, prompt_ids, verifier_stub
 
 pytestmark = pytest.mark.timeout(300)
 NS = "chainspec-commands"  # the embedded stack started by `chainspec up`
@@ -43,28 +42,6 @@ def cli(state_dir: Path, *args: str, timeout: float = 120.0, **extra: str):
     r = subprocess.run([*CHAINSPEC, *args], capture_output=True, text=True, timeout=timeout,
                        env=environ(state_dir, **extra))
     return r, time.monotonic() - t0
-
-
-class Process:
-    """A long-running command and its output so far."""
-
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def wait_for(self, needle: str, timeout: float) -> None:
-        ok = wait_until(lambda: needle in self.output() or self.proc.poll() is not None,
-                        timeout)
-        assert ok and self.proc.poll() is None, self.output()
 
 
 # -- a dead cluster ----------------------------------------------------------------------

@@ -44,7 +44,15 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: the backend's single `encode` holds the GIL throughout (a 10 MB prompt froze
+        # a server's event loop for seconds even from a worker thread); `encode_batch`
+        # releases it and gives the same ids.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @property
+    def max_token_chars(self) -> int:
+        """Characters in the longest vocabulary entry (bounds the text a context holds)."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

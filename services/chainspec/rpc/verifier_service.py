@@ -28,12 +28,19 @@ import grpc
 from chainspec.engine.async_engine import AsyncVerifier, EngineStopped, QueueFull, RequestIdInUse
 from chainspec.engine.detokenizer import IncrementalDetokenizer
 from chainspec.engine.fingerprint import model_fingerprint
-from chainspec.engine.local import DTYPES, LocalOptions
+from chainspec.engine.local import (
+    DTYPES,
+    DrafterMode,
+    LocalDrafts,
+    LocalOptions,
+    local_drafter,
+    verifier_config,
+)
 from chainspec.engine.request import RequestOutput, StopConditions
 from chainspec.engine.sampling import SamplingParams
-from chainspec.engine.verifier import VerifierConfig, VerifierEngine
+from chainspec.engine.verifier import VerifierEngine
 from chainspec.metrics.verifier import VerifierMetrics
-from chainspec.models.loader import load_target
+from chainspec.models.loader import load_draft_model, load_target
 from chainspec.models.target import TargetModel
 from chainspec.models.tokenizer import Tokenizer
 from chainspec.rpc.channel import ClientOptions
@@ -78,11 +85,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                  tokenizer: Tokenizer | None, model_name: str, fingerprint: str = "",
                  drafters: Callable[[], int] = lambda: 0) -> None:
         if tokenizer is not None and limits.max_text_chars is None:
-            limits = replace(limits, max_text_chars=limits.context * TEXT_SLACK * max(
-                map(len, tokenizer.backend.get_vocab(with_added_tokens=True)), default=1))
+            limits = replace(limits, max_text_chars=limits.context * TEXT_SLACK *
+                             tokenizer.max_token_chars)
         self.engine, self.limits, self.tokenizer = engine, limits, tokenizer
         self.model_name, self.fingerprint, self.drafters = model_name, fingerprint, drafters
-        self._encode = _encoder(tokenizer) if tokenizer is not None else None
+        self._encode = tokenizer.encode if tokenizer is not None else None
         self._parser = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="verifier-parse")
         self._owners: dict[str, _Owner] = {}  # request id -> who may abort it
 
@@ -150,16 +157,6 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             max_model_len=self.limits.context, version=chainspec_version())
 
 
-def _encoder(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
-    """`tokenizer.encode` that lets go of the GIL while it works."""
-    def encode(text: str) -> list[int]:
-        # NOTE: the backend's single `encode` holds the GIL throughout (a 10 MB prompt
-        # froze the event loop for seconds even from a worker thread); `encode_batch`
-        # releases it and gives the same ids.
-        return tokenizer.backend.encode_batch([text], add_special_tokens=True)[0].ids
-    return encode
-
-
 class _ResponseWriter:
     """Engine outputs of one request -> Generate stream messages."""
 
@@ -199,8 +196,13 @@ class VerifierOptions:
     default_max_tokens: int = 256
     draft_deadline_s: float = 0.05  # how long a round waits for drafts
     stall_limit_s: float = 60.0  # one engine step or command longer than this: not serving
+    drafter: DrafterMode = DrafterMode.REMOTE  # local: the MTP modules run in this process
+    groups: int = 1  # pipelined groups taking turns (VerifierConfig.groups, DESIGN 4.8)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "drafter", DrafterMode(self.drafter))  # ValueError: unknown
+        if self.groups < 1:
+            raise ValueError(f"groups must be >= 1, got {self.groups}")
         if self.max_waiting < 0 or self.default_max_tokens < 1:
             raise ValueError("max_waiting must be >= 0 and default_max_tokens >= 1")
         if self.stall_limit_s <= 0:
@@ -214,10 +216,11 @@ class VerifierOptions:
 
 
 class VerifierServer:
-    """A running verifier: its gRPC server, engine and drafter pool."""
+    """A running verifier: its gRPC server, engine and drafter pool (or, in local mode,
+    its in-process drafter)."""
 
     def __init__(self, running: RunningServer, engine: AsyncVerifier,
-                 drafts: GrpcDraftClient, metrics: VerifierMetrics | None = None,
+                 drafts: GrpcDraftClient | LocalDrafts, metrics: VerifierMetrics | None = None,
                  watchdog: EngineWatchdog | None = None) -> None:
         self.running, self.engine, self.drafts = running, engine, drafts
         self.metrics, self.watchdog = metrics, watchdog
@@ -268,21 +271,30 @@ async def serve_verifier(opts: VerifierOptions, server: ServerOptions,
                          client: ClientOptions | None = None,
                          metrics: VerifierMetrics | None = None,
                          on_failure: Callable[[str], None] | None = None) -> VerifierServer:
-    """Load the target, build the engine over a gRPC drafter pool, start the Verifier
-    service, warm up, then report SERVING. `metrics` observes the engine, the pool and
-    the gRPC calls (served on `server.metrics_port` when set). If the engine thread dies
-    or stalls, health turns NOT_SERVING and `on_failure(reason)` is called once."""
+    """Load the target, build the engine over a gRPC drafter pool (or, with
+    `opts.drafter` local, over an in-process drafter: no wire, `drafters` must be empty),
+    start the Verifier service, warm up, then report SERVING. `metrics` observes the
+    engine, the pool and the gRPC calls (served on `server.metrics_port` when set). If the
+    engine thread dies or stalls, health turns NOT_SERVING and `on_failure(reason)` is
+    called once."""
+    local = opts.drafter is DrafterMode.LOCAL
+    if local and drafters:
+        raise ValueError("drafter mode local drafts in process: give no drafter endpoints")
     target, tokenizer = await asyncio.to_thread(_load, opts.model)
     m = opts.model
     fingerprint = model_fingerprint(target)
-    match = DrafterMatch(m.num_steps, target.config.hidden_size, target.config.vocab_size,
-                         fingerprint)  # a drafter of another model is never used
-    drafts = GrpcDraftClient((), client or ClientOptions(), opts.draft_deadline_s, match=match,
-                             observer=metrics, max_seqs=m.max_seqs)
-    config = VerifierConfig(num_steps=m.num_steps, max_seqs=m.max_seqs, max_len=m.max_len,
-                            max_batch_tokens=max(1024, m.max_seqs * (m.num_steps + 1)))
+    if local:
+        draft = await asyncio.to_thread(load_draft_model, m.model_dir, DTYPES[m.dtype],
+                                        m.device, cache_len=m.max_len)
+        drafts = local_drafter(draft, m)
+    else:
+        match = DrafterMatch(m.num_steps, target.config.hidden_size,
+                             target.config.vocab_size, fingerprint)  # never another model's
+        drafts = GrpcDraftClient((), client or ClientOptions(), opts.draft_deadline_s,
+                                 match=match, observer=metrics, max_seqs=m.max_seqs)
     eos = tokenizer.eos_token_ids if tokenizer is not None else ()
-    core = VerifierEngine(target, config, drafts, eos, tokenizer.decode if tokenizer else None)
+    core = VerifierEngine(target, verifier_config(m, opts.groups), drafts, eos,
+                          tokenizer.decode if tokenizer else None)
     engine = AsyncVerifier(core, opts.max_waiting)
     if metrics is not None:
         metrics.set_info(m.num_steps, m.dtype, m.chain)
