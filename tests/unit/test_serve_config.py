@@ -40,6 +40,22 @@ def test_file_and_flags(tmp_path, capsys) -> None:
     assert c["gateway"]["api_key"] == "<set>"  # never printed
 
 
+def test_drafter_mode_and_pipeline_groups_from_file_and_flags(tmp_path, capsys) -> None:
+    path = tmp_path / "serve.yaml"
+    path.write_text("drafter: {mode: local}\npipeline_groups: 2\n")
+    c = dry_run(capsys, "serve", "--config", str(path))["config"]
+    assert (c["drafter"]["mode"], c["drafter"]["replicas"], c["pipeline_groups"]) == (
+        "local", 0, 2)
+    c = dry_run(capsys, "serve", "--drafter-mode", "local", "--pipeline-groups", "3")["config"]
+    assert (c["drafter"]["mode"], c["drafter"]["replicas"], c["pipeline_groups"]) == (
+        "local", 0, 3)
+    c = dry_run(capsys, "serve")["config"]
+    assert (c["drafter"]["mode"], c["pipeline_groups"]) == ("remote", 1)
+    path.write_text("drafter: {mode: local, replicas: 1}\n")
+    assert main(["serve", "--config", str(path), "--dry-run"]) == 2
+    assert "drafter.replicas must be 0 with drafter.mode local" in capsys.readouterr().err
+
+
 def test_defaults_and_env_key(capsys, monkeypatch) -> None:
     monkeypatch.setenv("CHAINSPEC_API_KEY", "sk-env")
     c = dry_run(capsys, "serve")["config"]

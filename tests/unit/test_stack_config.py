@@ -8,7 +8,7 @@ import json
 import pytest
 
 from chainspec.cli import main
-from chainspec.cluster.config import RoleConfig, StackConfig
+from chainspec.cluster.config import DrafterRoleConfig, RoleConfig, StackConfig
 from chainspec.cluster.membership import Member, MemberState
 
 
@@ -30,6 +30,63 @@ def test_from_dict_round_trip_and_unknown_keys() -> None:
 def test_invalid_config_is_refused(bad, match) -> None:
     with pytest.raises(ValueError, match=match):
         StackConfig.from_dict(bad)
+
+
+def test_drafter_mode_local_means_no_drafter_actors() -> None:
+    """Local mode defaults to 0 drafter actors (the controller's desired count), refuses
+    any other count, and survives the JSON round trip `up --detach` and the controller's
+    `get_config` take; remote (the default) keeps 1 drafter."""
+    from chainspec.cluster.intent import Intent
+    local = StackConfig.from_dict({"drafter": {"mode": "local"}})
+    assert (local.drafter.mode, local.drafter.replicas, local.drafter.local) == (
+        "local", 0, True)
+    assert Intent.fresh(local, "s").replicas == {"drafter": 0, "verifier": 1}
+    assert StackConfig.from_dict(json.loads(json.dumps(local.to_dict()))) == local
+    assert json.loads(json.dumps(local.to_dict()))["drafter"]["mode"] == "local"
+    remote = StackConfig()
+    assert (remote.drafter.mode, remote.drafter.replicas, remote.drafter.local) == (
+        "remote", 1, False)
+    assert StackConfig(drafter=RoleConfig(replicas=3)).drafter == DrafterRoleConfig(
+        replicas=3)  # a plain RoleConfig is a remote drafter role
+    with pytest.raises(ValueError, match="drafter.replicas must be 0 with drafter.mode local"):
+        StackConfig.from_dict({"drafter": {"mode": "local", "replicas": 2}})
+    with pytest.raises(ValueError, match="drafter.mode must be one of remote, local"):
+        StackConfig.from_dict({"drafter": {"mode": "colocated"}})
+    with pytest.raises(ValueError, match="verifier: unknown keys mode"):
+        StackConfig.from_dict({"verifier": {"mode": "local"}})  # a drafter-only key
+
+
+def test_pipeline_groups_are_validated_and_round_trip() -> None:
+    assert StackConfig().pipeline_groups == 1
+    cfg = StackConfig.from_dict({"pipeline_groups": 2})
+    assert StackConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))).pipeline_groups == 2
+    with pytest.raises(ValueError, match="pipeline_groups"):
+        StackConfig.from_dict({"pipeline_groups": 0})
+
+
+def test_verifier_options_carry_mode_and_groups_into_the_engine_config() -> None:
+    from chainspec.engine.local import DrafterMode, LocalOptions, verifier_config
+    from chainspec.rpc.verifier_service import VerifierOptions
+    opts = VerifierOptions(drafter="local", groups=3)
+    assert opts.drafter is DrafterMode.LOCAL and opts.groups == 3
+    assert verifier_config(LocalOptions(max_seqs=4), opts.groups).groups == 3
+    with pytest.raises(ValueError, match="groups"):
+        VerifierOptions(groups=0)
+    with pytest.raises(ValueError):
+        VerifierOptions(drafter="colocated")
+
+
+def test_local_drafts_stand_in_for_a_pool_of_one_and_take_no_endpoints() -> None:
+    from chainspec.engine.local import LocalDrafts
+
+    class Engine:
+        load = 2
+    drafts = LocalDrafts(Engine())
+    assert drafts.loads() == {"in-process": 2} and drafts.states() == {"in-process": "live"}
+    assert drafts.wanted() == 1 and drafts.wait_connected(0)
+    drafts.set_endpoints([])  # what the hosting code does when there is nothing to follow
+    with pytest.raises(ValueError, match="drafts in process"):
+        drafts.set_endpoints(["d0:7001"])
 
 
 def test_ports_and_mtls_reach_servers_and_clients() -> None:
@@ -71,6 +128,10 @@ def test_member_observe_transitions() -> None:
     assert m.observe(_info(pid=11, endpoint="h:2")) and m.restarts == 1
     m.state = MemberState.DRAINING
     assert not m.observe(_info(pid=11, endpoint="h:2")) and m.state is MemberState.DRAINING
+    local = Member("verifier-1", "verifier")
+    local.observe(_info(drafter_mode="local", links={"in-process": "live"}))
+    assert local.to_dict()["drafter_mode"] == "local"  # what `status --json` prints
+    assert Member("drafter-1", "drafter").to_dict()["drafter_mode"] is None
     failed = Member("verifier-0", "verifier")
     assert failed.observe(_info(serving=False, error="OSError: no model"))
     assert failed.state is MemberState.DEAD
@@ -110,6 +171,18 @@ def test_scale_status_down_dry_run(capsys) -> None:
     assert main(["scale", "drafters", "-1", "--dry-run"]) == 2
 
 
+def test_up_dry_run_drafter_mode_and_pipeline_groups(capsys, tmp_path) -> None:
+    cfg = dry_run(capsys, "up", "--drafter-mode", "local", "--pipeline-groups", "2")["config"]
+    assert (cfg["drafter"]["mode"], cfg["drafter"]["replicas"]) == ("local", 0)
+    assert cfg["pipeline_groups"] == 2
+    path = tmp_path / "stack.yaml"
+    path.write_text("drafter: {mode: local}\n")
+    cfg = dry_run(capsys, "up", "--config", str(path), "--drafter-mode", "remote")["config"]
+    assert (cfg["drafter"]["mode"], cfg["drafter"]["replicas"]) == ("remote", 1)  # flag wins
+    assert main(["up", "--drafter-mode", "local", "--drafters", "2", "--dry-run"]) == 2
+    assert "drafter.replicas must be 0" in capsys.readouterr().err
+
+
 def test_verifier_dry_run(capsys, tmp_path) -> None:
     token = tmp_path / "token"
     token.write_text("abc\n")
@@ -119,6 +192,9 @@ def test_verifier_dry_run(capsys, tmp_path) -> None:
     assert out["verifier"]["max_waiting"] == 3 and out["server"]["port"] == 7100
     assert out["server"]["auth_token"] == out["client"]["auth_token"] == "<set>"
     assert main(["verifier", "--drafter", "nohost", "--dry-run"]) == 2
+    assert out["verifier"]["groups"] == 1
+    assert dry_run(capsys, "verifier", "--pipeline-groups", "2")["verifier"]["groups"] == 2
+    assert main(["verifier", "--pipeline-groups", "0", "--dry-run"]) == 2
 
 
 def test_custom_resource_only_when_the_cluster_declares_it() -> None:

@@ -45,7 +45,8 @@ class _ServiceActor:
 
     async def ping(self) -> dict[str, Any]:
         """State for the controller: serving, endpoint, load, pid, node, metrics_url, error,
-        and a verifier's drafter links (endpoint -> live/connecting/dead/...)."""
+        a verifier's drafter links (endpoint -> live/connecting/dead/...) and its
+        drafter_mode (local: the `in-process` link)."""
         node = ray.util.get_node_ip_address()
         failure = getattr(self.server, "failure", None)  # a dead or stuck engine
         return {"serving": self.server is not None and not self.server_draining
@@ -55,7 +56,8 @@ class _ServiceActor:
                 "metrics_url": self.server.metrics_url(node) if self.server is not None
                 else None,
                 "links": self.server.link_states() if hasattr(self.server, "link_states")
-                else None}
+                else None,
+                "drafter_mode": self.drafter_mode}
 
     async def drain(self) -> None:
         """Stop taking work, let what is in flight finish (bounded), stop the server."""
@@ -79,6 +81,10 @@ class _ServiceActor:
     @property
     def load(self) -> int:
         raise NotImplementedError
+
+    @property
+    def drafter_mode(self) -> str | None:
+        return None
 
     def server_options(self) -> ServerOptions:
         return self.config.server_options(self.role, self.config.drain_timeout_s)
@@ -161,14 +167,20 @@ class VerifierActor(_ServiceActor):
     def load(self) -> int:
         return self.server.load if self.server is not None else 0
 
+    @property
+    def drafter_mode(self) -> str:
+        return str(self.config.drafter.mode)
+
     async def serve(self) -> Any:
         c = self.config
         opts = VerifierOptions(model=c.local_options(self.role), max_waiting=c.max_waiting,
-                               draft_deadline_s=c.draft_deadline_s)
+                               draft_deadline_s=c.draft_deadline_s, drafter=c.drafter.mode,
+                               groups=c.pipeline_groups)
         server = await serve_verifier(opts, self.server_options(), client=c.client_options(),
                                       metrics=VerifierMetrics(opts.name, c.num_steps),
                                       on_failure=self._engine_failed)
-        self._watch = asyncio.get_running_loop().create_task(self._follow_drafters(server))
+        if not c.drafter.local:  # NOTE: local mode has no drafter members to follow
+            self._watch = asyncio.get_running_loop().create_task(self._follow_drafters(server))
         return server
 
     def _engine_failed(self, reason: str) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chainspec.engine.local import DEMO_MODEL, LocalOptions
+from chainspec.engine.local import DEMO_MODEL, DrafterMode, LocalOptions
 from chainspec.rpc.channel import ClientOptions
 from chainspec.rpc.server import ServerOptions
 
@@ -57,6 +57,39 @@ class RoleConfig:
 
 
 @dataclass(frozen=True)
+class DrafterRoleConfig(RoleConfig):
+    """The drafter role, and where drafting happens (`mode`):
+
+    - `remote` (default): `replicas` drafter actors, reached by every verifier over gRPC;
+    - `local`: each verifier runs the MTP modules in its own process, on its own device,
+      with no wire (single-device deployments; the co-located baseline). No drafter
+      actor exists, so `replicas` is 0 (its default in this mode) and the role's
+      resources are unused.
+    """
+
+    replicas: int | None = None  # type: ignore[assignment]  # None: 1 remote, 0 local
+    mode: DrafterMode = DrafterMode.REMOTE
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "mode", DrafterMode(self.mode))
+        except ValueError:
+            raise ValueError(f"drafter.mode must be one of "
+                             f"{', '.join(m.value for m in DrafterMode)}, got {self.mode!r}"
+                             ) from None
+        if self.replicas is None:
+            object.__setattr__(self, "replicas", 0 if self.local else 1)
+        if self.local and self.replicas:
+            raise ValueError(f"drafter.replicas must be 0 with drafter.mode local (each "
+                             f"verifier drafts in process), got {self.replicas}")
+        super().__post_init__()
+
+    @property
+    def local(self) -> bool:
+        return self.mode is DrafterMode.LOCAL
+
+
+@dataclass(frozen=True)
 class StackConfig:
     model_dir: str = str(DEMO_MODEL)
     num_steps: int = 3  # K
@@ -65,7 +98,7 @@ class StackConfig:
     drafter_max_seqs: int = 64  # sequence slots per drafter (it serves every verifier)
     max_len: int = 1024
     dtype: str = "float32"
-    drafter: RoleConfig = field(default_factory=RoleConfig)
+    drafter: DrafterRoleConfig = field(default_factory=DrafterRoleConfig)
     verifier: RoleConfig = field(default_factory=RoleConfig)
     host: str = "127.0.0.1"  # gRPC bind address; 0.0.0.0 advertises the node's IP
     namespace: str = NAMESPACE
@@ -83,14 +116,18 @@ class StackConfig:
     drain_timeout_s: float = 30.0  # longest wait for a draining member's load to reach 0
     draft_deadline_s: float = 0.05
     max_waiting: int = 64
+    pipeline_groups: int = 1  # verifier groups taking turns (DESIGN 4.8); 1: off
 
     def __post_init__(self) -> None:
         LocalOptions(Path(self.model_dir), self.num_steps, self.chain, self.max_seqs,
                      self.max_len, self.dtype)  # validates the model fields
-        if min(self.num_steps, self.max_seqs, self.drafter_max_seqs) < 1 \
-                or self.max_len < 2 * self.num_steps + 2:
-            raise ValueError("num_steps, max_seqs and drafter_max_seqs must be >= 1, "
-                             "max_len > 2K + 1")
+        if min(self.num_steps, self.max_seqs, self.drafter_max_seqs,
+               self.pipeline_groups) < 1 or self.max_len < 2 * self.num_steps + 2:
+            raise ValueError("num_steps, max_seqs, drafter_max_seqs and pipeline_groups "
+                             "must be >= 1, max_len > 2K + 1")
+        if not isinstance(self.drafter, DrafterRoleConfig):  # a plain RoleConfig: remote
+            object.__setattr__(self, "drafter", DrafterRoleConfig(
+                **dataclasses.asdict(self.drafter)))
         if min(self.health_interval_s, self.health_timeout_s, self.drain_timeout_s,
                self.draft_deadline_s) <= 0:
             raise ValueError("health, drain and draft timings must be > 0")
@@ -130,15 +167,17 @@ class StackConfig:
                             self.max_len, self.dtype, self.role(role).device)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["drafter"]["mode"] = str(self.drafter.mode)  # plain JSON/YAML
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StackConfig:
         """From parsed JSON/YAML; unknown keys are an error naming them."""
         data = dict(data)
-        for role in ROLES:
+        for role, role_cls in (("drafter", DrafterRoleConfig), ("verifier", RoleConfig)):
             if role in data:
-                data[role] = _build(RoleConfig, data[role], role)
+                data[role] = _build(role_cls, data[role], role)
         return _build(cls, data, "config")
 
 

@@ -131,6 +131,10 @@ class Controller:
         self.config.role(role)  # validates the role
         if n < 0:
             raise ValueError(f"replicas must be >= 0, got {n}")
+        if role == "drafter" and self.config.drafter.local and n > 0:
+            raise ValueError("this stack's drafter mode is local: every verifier drafts in "
+                             "process, so there are no drafter actors to scale (start a "
+                             "stack with drafter mode remote for that)")
         await self._recovered.wait()
         self.intent.replicas[role] = n
         self._save()

@@ -28,6 +28,7 @@ class Member:
     restarts: int = 0  # times the controller saw it come back with a new pid
     error: str | None = None
     links: dict[str, str] | None = None  # a verifier's drafter endpoint -> link state
+    drafter_mode: str | None = None  # a verifier's: remote (drafter actors) or local
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -47,6 +48,7 @@ class Member:
         self.endpoint, self.error = info["endpoint"], info["error"]
         self.metrics_url = info.get("metrics_url", self.metrics_url)
         self.links = info.get("links", self.links)
+        self.drafter_mode = info.get("drafter_mode", self.drafter_mode)
         if self.state is not MemberState.DRAINING:
             if info["error"]:
                 self.state = MemberState.DEAD

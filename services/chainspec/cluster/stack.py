@@ -159,6 +159,10 @@ def scale(role: str, n: int, address: str | None = None, namespace: str = NAMESP
           wait: bool = True) -> list[dict[str, Any]]:
     try:
         return ray.get(connect(address, namespace).scale.remote(role, n, wait))
+    except ray.exceptions.RayTaskError as e:  # a refused scale: say why, not the traceback
+        if isinstance(e.cause, ValueError):
+            raise StackError(str(e.cause)) from None
+        raise
     except ray.exceptions.ActorUnavailableError:
         raise StackError(f"the controller restarted while scaling; it had recorded {n} "
                          f"{role}(s) first and carries on: see `chainspec status`") from None

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from chainspec.commands.server_args import add_token_args, read_token
+from chainspec.commands.stack_args import add_stack_mode_args
 from chainspec.engine.local import DTYPES
 from chainspec.serving.config import ServeConfig, merge, read_config_file
 
@@ -34,9 +35,11 @@ API_KEY_ENV = "CHAINSPEC_API_KEY"
 # flag -> top-level config key
 _STACK_FLAGS = {"model": "model_dir", "k": "num_steps", "max_seqs": "max_seqs",
                 "max_len": "max_len", "dtype": "dtype", "namespace": "namespace",
-                "grpc_host": "host", "address": "address", "timeout": "start_timeout_s"}
+                "grpc_host": "host", "address": "address", "timeout": "start_timeout_s",
+                "pipeline_groups": "pipeline_groups"}
 _ROLE_FLAGS = {"drafters": ("drafter", "replicas"), "verifiers": ("verifier", "replicas"),
-               "drafter_gpus": ("drafter", "num_gpus"), "verifier_gpus": ("verifier", "num_gpus")}
+               "drafter_gpus": ("drafter", "num_gpus"), "verifier_gpus": ("verifier", "num_gpus"),
+               "drafter_mode": ("drafter", "mode")}
 _GATEWAY_FLAGS = {"host": "host", "port": "port", "model_name": "model_name",
                   "max_in_flight": "max_in_flight"}
 
@@ -65,6 +68,7 @@ def add_parser(sub) -> list[str]:
     p.add_argument("--api-key-file", type=Path,
                    help=f"require this API key (default: ${API_KEY_ENV} when set)")
     p.add_argument("--timeout", type=float, help="seconds to wait for the stack to be ready")
+    add_stack_mode_args(p)
     add_token_args(p)
     p.add_argument("--dry-run", action="store_true",
                    help="validate the config, print it resolved (secrets masked), start nothing")

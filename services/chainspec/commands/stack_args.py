@@ -11,16 +11,18 @@ import yaml
 
 from chainspec.cluster.config import NAMESPACE, StackConfig
 from chainspec.commands.server_args import add_token_args, jsonable, read_token
-from chainspec.engine.local import DTYPES
+from chainspec.engine.local import DTYPES, DrafterMode
 
 # flag -> StackConfig field, for flags that override the --config file when given
 _OVERRIDES = {"model": "model_dir", "k": "num_steps", "max_seqs": "max_seqs",
               "drafter_max_seqs": "drafter_max_seqs", "max_len": "max_len", "dtype": "dtype",
               "host": "host", "health_interval": "health_interval_s",
-              "drain_timeout": "drain_timeout_s", "draft_deadline": "draft_deadline_s"}
+              "drain_timeout": "drain_timeout_s", "draft_deadline": "draft_deadline_s",
+              "pipeline_groups": "pipeline_groups"}
 _ROLE_OVERRIDES = {"drafters": ("drafter", "replicas"), "verifiers": ("verifier", "replicas"),
                    "drafter_gpus": ("drafter", "num_gpus"),
-                   "verifier_gpus": ("verifier", "num_gpus")}
+                   "verifier_gpus": ("verifier", "num_gpus"),
+                   "drafter_mode": ("drafter", "mode")}
 
 
 def add_connect_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +53,18 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-interval", type=float, help="seconds between health pings")
     p.add_argument("--drain-timeout", type=float, help="longest drain of a member, seconds")
     p.add_argument("--draft-deadline", type=float, help="seconds a round waits for drafts")
+    add_stack_mode_args(p)
     add_token_args(p)
+
+
+def add_stack_mode_args(p: argparse.ArgumentParser) -> None:
+    """Where drafting runs and how verifiers pipeline (`up` and `serve`)."""
+    p.add_argument("--drafter-mode", choices=[m.value for m in DrafterMode],
+                   help="remote (default): drafter actors over gRPC; local: each verifier "
+                        "runs the MTP modules in its own process, no drafter actors")
+    p.add_argument("--pipeline-groups", type=int,
+                   help="verifier groups taking turns so drafts overlap verification "
+                        "(default 1: off)")
 
 
 def stack_config(args: argparse.Namespace) -> StackConfig:

@@ -55,6 +55,9 @@ def add_parser(sub) -> list[str]:
                    default=VerifierOptions.default_max_tokens)
     p.add_argument("--draft-deadline", type=float, default=VerifierOptions.draft_deadline_s,
                    help="seconds a round waits for drafts before decoding plainly")
+    p.add_argument("--pipeline-groups", type=int, default=VerifierOptions.groups,
+                   help="groups of running sequences taking turns, so one group's drafts "
+                        "are computed while another is verified (default 1: off)")
     add_server_args(p)
     p.add_argument("--drafter-tls-ca", type=Path, help="CA that signed the drafters' certificates")
     p.add_argument("--drafter-tls-cert", type=Path, help="client certificate for drafters (mTLS)")
@@ -71,7 +74,8 @@ def resolve(args: argparse.Namespace) -> VerifierCommand:
         if not host or not port.isdigit():
             raise ValueError(f"--drafter {ep!r}: expected HOST:PORT")
     verifier = VerifierOptions(local_options(args), args.model_name, args.max_waiting,
-                               args.default_max_tokens, args.draft_deadline)
+                               args.default_max_tokens, args.draft_deadline,
+                               groups=args.pipeline_groups)
     server = server_options(args)
     client = ClientOptions(tls_ca=args.drafter_tls_ca, tls_cert=args.drafter_tls_cert,
                            tls_key=args.drafter_tls_key, auth_token=server.auth_token,

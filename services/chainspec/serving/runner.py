@@ -90,7 +90,8 @@ class ServingStack:
         source = ControllerVerifiers(controller, on_lost=self.lost.set)
         self.gateway = self.loop.run(GatewayServer.start(
             c.gateway, source, chat, running.client_options()))
-        want = 1 if c.stack.drafter.replicas > 0 else 0
+        # NOTE: a local-mode verifier reports its in-process drafter as one connected
+        want = 1 if c.stack.drafter.replicas > 0 or c.stack.drafter.local else 0
         progress.step(f"gateway listening on {self.url}; waiting for a verifier to serve"
                       + (" with its drafters connected" if want else ""))
         if not self.loop.run(self.gateway.wait_ready(c.start_timeout_s, drafters=want)):
@@ -105,6 +106,9 @@ class ServingStack:
     def describe(self) -> str:
         views = [v for v in self.gateway.gateway.pool.views() if v.serving]
         drafters = self.gateway.drafters
+        if self.config.stack.drafter.local:
+            return (f"{len(views)} verifier(s), each drafting in process (drafter mode "
+                    f"local, speculative decoding {'on' if drafters else 'off'})")
         mode = "speculative decoding on" if drafters else "no drafters: plain decoding"
         return f"{len(views)} verifier(s), {drafters} drafter(s) connected ({mode})"
 
