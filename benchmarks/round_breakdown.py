@@ -154,7 +154,8 @@ def replay(client: GrpcDraftClient, rounds, gap_s: float) -> tuple[list[dict], i
         for u, o in zip(updates, outcomes, strict=True):
             r = got.get(u.seq_id)
             if u.want_drafts and isinstance(o, DraftResult) and not (
-                    isinstance(r, DraftResult) and torch.equal(r.tokens, o.tokens)):
+                    isinstance(r, DraftResult) and torch.equal(r.tokens, o.tokens)
+                    and r.position == o.position):
                 mismatches += 1
         engine_s = [r.draft_time_s for r in got.values() if isinstance(r, DraftResult)]
         out.append({"wants": wants, "engine_s": engine_s[0] if engine_s else None})
@@ -215,7 +216,8 @@ def breakdown(model: Path, batches, k: int = 3, max_tokens: int = 64, max_len: i
                        args=(child_conn, str(model), k, max_seqs, max_len, threads))
     proc.start()
     port = conn.recv()
-    client = GrpcDraftClient(max_seqs=max_seqs)
+    # NOTE: a long deadline: every round is timed to its answer, none is dropped late
+    client = GrpcDraftClient(max_seqs=max_seqs, round_deadline_s=10.0)
     client.trace = RoundTrace()  # before connecting: the stream's requests are marked too
     client.set_endpoints([f"127.0.0.1:{port}"])
     client.wait_connected(30)
@@ -246,23 +248,45 @@ def breakdown(model: Path, batches, k: int = 3, max_tokens: int = 64, max_len: i
 
 
 def table(runs: list[dict], labels: list[str]) -> str:
-    """Markdown: one column per (label, batch); hops in rows."""
-    cols = [(label, row) for label, run in zip(labels, runs, strict=True) for row in run["rows"]]
-    head = " | ".join(f"{label} b{row['batch']}" for label, row in cols)
-    lines = [f"| hop (median ms) | {head} |", "|---" * (len(cols) + 1) + "|"]
+    """Markdown: one column per (label, batch), hops in rows; runs with the same label are
+    merged by the median of each figure. The share's round is the same for every label:
+    the median over all runs of (in-process round - in-process drafter) + round trip."""
+    merged: dict[tuple[str, int], list[dict]] = {}
+    base: dict[int, list[float]] = {}
+    for label, run in zip(labels, runs, strict=True):
+        for row in run["rows"]:
+            merged.setdefault((label, row["batch"]), []).append(row)
+            base.setdefault(row["batch"], []).append(row["local_round_ms"] -
+                                                     row["local_drafter_ms"])
+    cols = [(f"{label} b{batch}", _merge(rows, statistics.median(base[batch])))
+            for (label, batch), rows in merged.items()]
+    lines = ["| hop (median ms) | " + " | ".join(c for c, _ in cols) + " |",
+             "|---" * (len(cols) + 1) + "|"]
     for name, _, _ in HOPS:
-        lines.append(f"| {name} | " + " | ".join(f"{row['hops_ms'][name]:.3f}"
-                                                for _, row in cols) + " |")
+        lines.append(f"| {name} | " + " | ".join(f"{m['hops_ms'][name]:.3f}"
+                                                for _, m in cols) + " |")
     for key, name in [("round_trip_ms", "**round trip** (submit .. collect)"),
                       ("engine_ms", "drafter engine (draft_time_s)"),
                       ("wire_ms", "**wire** = round trip - engine"),
                       ("est_grpc_round_ms", "est. gRPC round"),
                       ("wire_share", "**wire share**")]:
         fmt = (lambda v: f"{100 * v:.1f} %") if key == "wire_share" else (lambda v: f"{v:.2f}")
-        lines.append(f"| {name} | " + " | ".join(fmt(row[key]) for _, row in cols) + " |")
+        lines.append(f"| {name} | " + " | ".join(fmt(m[key]) for _, m in cols) + " |")
     lines.append("| rounds measured / draft mismatches | " + " | ".join(
-        f"{row['rounds']} / {row['draft_mismatches']}" for _, row in cols) + " |")
+        f"{m['rounds']} / {m['draft_mismatches']}" for _, m in cols) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _merge(rows: list[dict], base_ms: float) -> dict:
+    med = {k: statistics.median(r[k] for r in rows)
+           for k in ("round_trip_ms", "engine_ms", "wire_ms")}
+    med["hops_ms"] = {name: statistics.median(r["hops_ms"][name] for r in rows)
+                      for name, _, _ in HOPS}
+    med["est_grpc_round_ms"] = base_ms + med["round_trip_ms"]
+    med["wire_share"] = med["wire_ms"] / med["est_grpc_round_ms"]
+    med["rounds"] = sum(r["rounds"] for r in rows)
+    med["draft_mismatches"] = sum(r["draft_mismatches"] for r in rows)
+    return med
 
 
 def main(argv=None) -> int:

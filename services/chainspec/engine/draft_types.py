@@ -64,8 +64,8 @@ class SeqUpdate:
     sampling: DraftSampling = GREEDY
 
     def __post_init__(self) -> None:
-        n = len(self.tokens)
-        if self.hidden.dim() != 2 or self.hidden.shape[0] != n or n == 0:
+        n, shape = len(self.tokens), self.hidden.shape
+        if len(shape) != 2 or shape[0] != n or n == 0:
             raise ValueError(f"update of seq {self.seq_id}: {n} tokens need hidden [n >= 1, H],"
                              f" got {list(self.hidden.shape)}")
         if self.start < 0:

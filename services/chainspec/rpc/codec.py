@@ -116,6 +116,24 @@ class EncodedRows:
             out.scales = self.scales[r0:r1].tobytes()
 
 
+    def fill_blocks(self, outs: Sequence[tensor_pb.Tensor], counts: Sequence[int]) -> None:
+        """Write consecutive blocks of `counts` rows of a 2-d tensor into the empty
+        messages `outs` (one host copy of the data, then a bytes slice per block)."""
+        if len(self.shape) != 2:
+            raise ValueError(f"row blocks need a 2-d tensor, got shape {list(self.shape)}")
+        cols, row_bytes, wire = self.shape[1], self.data.shape[1], self.wire.value
+        blob = self.data.tobytes()
+        scales = None if self.scales is None else self.scales.tobytes()
+        r0 = 0
+        for out, n in zip(outs, counts, strict=True):
+            out.shape.extend((n, cols))
+            out.dtype = wire
+            out.data = blob[r0 * row_bytes:(r0 + n) * row_bytes]
+            if scales is not None:
+                out.scales = scales[4 * r0:4 * (r0 + n)]
+            r0 += n
+
+
 def encode_rows(t: torch.Tensor, wire_dtype: WireDType | str | None = None) -> EncodedRows:
     """Encode `t` (rank >= 1, any device) as `wire_dtype` (default: its own dtype).
 
@@ -212,6 +230,25 @@ def decode_array(msg: tensor_pb.Tensor, *, name: str = "tensor",
 
     The array may be a read-only view of the message's bytes; see decode_tensor.
     """
+    wire, shape, data = tensor_header(msg, name=name, expect_cols=expect_cols,
+                                      max_rows=max_rows, allowed=allowed)
+    if wire.quantized:
+        arr = _dequantize(data, msg.scales, wire, shape, name)
+    else:
+        arr = _plain_array(data, wire)
+    if finite and wire is not WireDType.INT32 and not np.isfinite(arr).all():
+        bad = int(np.flatnonzero(~np.isfinite(arr))[0])
+        raise invalid(f"{name}: non-finite value {arr.flat[bad]} at flat index {bad} "
+                      f"of shape {list(shape)}")
+    return arr.reshape(shape)
+
+
+def tensor_header(msg: tensor_pb.Tensor, *, name: str = "tensor",
+                  expect_cols: int | None = None, max_rows: int | None = None,
+                  allowed: Collection[WireDType] | None = None
+                  ) -> tuple[WireDType, tuple[int, ...], bytes]:
+    """The checks of `msg` that read no element (dtype, shape, byte and scale counts);
+    returns (wire dtype, shape, data bytes). `decode_array` = these + the elements."""
     wire = _wire_dtype(msg, name)
     if allowed is not None and wire not in allowed:
         raise invalid(f"{name}: dtype {wire.name} is not allowed here; expected one of "
@@ -223,18 +260,29 @@ def decode_array(msg: tensor_pb.Tensor, *, name: str = "tensor",
     if len(data) != numel * wire.itemsize:
         raise invalid(f"{name}: shape {list(shape)} of {wire.name} needs "
                       f"{numel * wire.itemsize} bytes of data, got {len(data)}")
-    if wire.quantized:
-        arr = _dequantize(data, msg.scales, wire, shape, name)
-    elif msg.scales:
+    if not wire.quantized and msg.scales:
         raise invalid(f"{name}.scales: {wire.name} data takes no scales, got "
                       f"{len(msg.scales)} bytes")
+    return wire, shape, data
+
+
+def packed_rows(wire: WireDType, cols: int, data: Sequence[bytes],
+                scales: Sequence[bytes] = ()) -> torch.Tensor | None:
+    """Float rows of several tensors whose headers passed `tensor_header`, decoded as one
+    [sum(rows), cols] float32 tensor (one copy, one finiteness check); None when any
+    scale or element is bad, so the caller decodes them one by one to name the culprit."""
+    joined = bytearray().join(data)  # NOTE: writable, so F32 needs no second copy
+    rows = len(joined) // (cols * wire.itemsize)
+    if wire.quantized:
+        try:
+            arr = _dequantize(joined, b"".join(scales), wire, (rows, cols), "rows")
+        except WireError:
+            return None
     else:
-        arr = _plain_array(data, wire)
-    if finite and wire is not WireDType.INT32 and not np.isfinite(arr).all():
-        bad = int(np.flatnonzero(~np.isfinite(arr))[0])
-        raise invalid(f"{name}: non-finite value {arr.flat[bad]} at flat index {bad} "
-                      f"of shape {list(shape)}")
-    return arr.reshape(shape)
+        arr = _plain_array(joined, wire)
+    if not np.isfinite(arr).all():
+        return None
+    return torch.from_numpy(arr.reshape(rows, cols))
 
 
 def _wire_dtype(msg: tensor_pb.Tensor, name: str) -> WireDType:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from chainspec.engine.draft_types import (
+    GREEDY,
     DraftBatch,
     DraftReply,
     DraftResult,
@@ -34,6 +34,8 @@ from chainspec.rpc.codec import (
     encode_rows,
     encode_tensor,
     invalid,
+    packed_rows,
+    tensor_header,
     to_tensors,
 )
 from chainspec.rpc.generated.v1 import drafter_pb2 as pb
@@ -92,6 +94,8 @@ def encode_update(u: SeqUpdate, hidden_dtype: WireDType | str = WireDType.F32) -
 
 def _packed_hidden(updates: tuple[SeqUpdate, ...]) -> torch.Tensor:
     """All updates' hidden rows, [sum(n), H], on their device (the host if mixed)."""
+    if len(updates) == 1:
+        return updates[0].hidden
     hidden = [u.hidden for u in updates]
     if any(h.device != hidden[0].device for h in hidden):
         hidden = [h.cpu() for h in hidden]
@@ -105,12 +109,12 @@ def encode_draft_request(batch: DraftBatch,
     if not batch.updates:
         return msg
     rows = encode_rows(_packed_hidden(batch.updates), hidden_dtype)
-    r0 = 0
+    outs = []
     for u in batch.updates:
         out = msg.updates.add()
         _fill_update(out, u)
-        rows.fill(out.hidden, r0, r0 + u.num_rows)
-        r0 += u.num_rows
+        outs.append(out.hidden)
+    rows.fill_blocks(outs, [len(u.tokens) for u in batch.updates])
     return msg
 
 
@@ -127,38 +131,41 @@ def decode_sampling(msg: pb.DraftSampling, limits: DraftLimits, name: str) -> Dr
     return DraftSampling(temperature=t, top_k=k, seed=seed)
 
 
-def _parse_update(msg: pb.SequenceUpdate, limits: DraftLimits,
-                  name: str) -> tuple[tuple[int, ...], np.ndarray, DraftSampling]:
-    """Validated (tokens, hidden [n, H] as a possibly read-only array, sampling)."""
+def _check_update(msg: pb.SequenceUpdate, limits: DraftLimits, name: str
+                  ) -> tuple[tuple[int, ...], WireDType, bytes, DraftSampling]:
+    """Everything of one update but its elements: (tokens, hidden's wire dtype and
+    bytes, sampling). Raises WireError(INVALID_ARGUMENT) naming the field."""
     tokens = check_tokens(msg.tokens, limits.vocab_size, name=f"{name}.tokens", min_count=1)
     if not msg.HasField("hidden"):
         raise invalid(f"{name}.hidden: missing; {len(tokens)} token(s) need {len(tokens)} rows")
-    hidden = decode_array(msg.hidden, name=f"{name}.hidden", expect_cols=limits.hidden_size,
-                          max_rows=limits.max_rows, allowed=FLOAT_DTYPES)  # [n, H]
-    if hidden.shape[0] != len(tokens):
-        raise invalid(f"{name}: {len(tokens)} tokens but {hidden.shape[0]} hidden rows; "
+    wire, shape, data = tensor_header(msg.hidden, name=f"{name}.hidden",
+                                      expect_cols=limits.hidden_size,
+                                      max_rows=limits.max_rows, allowed=FLOAT_DTYPES)
+    if shape[0] != len(tokens):
+        raise invalid(f"{name}: {len(tokens)} tokens but {shape[0]} hidden rows; "
                       f"they must match")
-    sampling = DraftSampling()
+    sampling = GREEDY
     if msg.want_drafts and msg.HasField("sampling"):
         sampling = decode_sampling(msg.sampling, limits, f"{name}.sampling")
-    return tuple(tokens), hidden, sampling
+    return tuple(tokens), wire, data, sampling
 
 
 def decode_update(msg: pb.SequenceUpdate, limits: DraftLimits, name: str = "update") -> SeqUpdate:
     """Validate one update; raises WireError(INVALID_ARGUMENT) naming the field."""
-    tokens, hidden, sampling = _parse_update(msg, limits, name)
-    (hidden_t,) = to_tensors([hidden])
-    return SeqUpdate(msg.seq_id, msg.start, tokens, hidden_t, msg.want_drafts, sampling)
+    tokens, _, _, sampling = _check_update(msg, limits, name)
+    (hidden,) = to_tensors([decode_array(msg.hidden, name=f"{name}.hidden")])
+    return SeqUpdate(msg.seq_id, msg.start, tokens, hidden, msg.want_drafts, sampling)
 
 
 def decode_draft_request(msg: pb.DraftRequest,
                          limits: DraftLimits) -> tuple[DraftBatch, tuple[SeqFailure, ...]]:
     """The valid updates as a batch, plus one failure per rejected update.
 
-    The hidden states of the batch land in one packed float32 buffer (one copy); each
-    update's `hidden` is a view of its rows.
+    The hidden states of the batch are decoded at once into one packed float32 buffer
+    (one copy, one finiteness check); each update's `hidden` is a view of its rows.
     """
-    parsed: list[tuple[pb.SequenceUpdate, tuple[int, ...], np.ndarray, DraftSampling]] = []
+    checked: list[tuple[int, pb.SequenceUpdate, tuple[int, ...], WireDType, bytes,
+                        DraftSampling]] = []
     failures: list[SeqFailure] = []
     seen: set[int] = set()
     for i, u in enumerate(msg.updates):
@@ -167,34 +174,83 @@ def decode_draft_request(msg: pb.DraftRequest,
                 raise invalid(f"updates[{i}]: seq {u.seq_id} has more than one update "
                               f"in batch {msg.batch_id}")
             seen.add(u.seq_id)
-            parsed.append((u, *_parse_update(u, limits, f"updates[{i}]")))
+            checked.append((i, u, *_check_update(u, limits, f"updates[{i}]")))
         except WireError as err:
             failures.append(_failure(u.seq_id, err))
-    hidden = to_tensors([h for _, _, h, _ in parsed])
+    hidden = _packed_hidden_rows(checked, limits.hidden_size)
+    if hidden is None:  # mixed dtypes or a bad value: one by one, naming the culprit
+        checked, hidden = _decode_each(checked, failures)
     updates = tuple(SeqUpdate(u.seq_id, u.start, tokens, h, u.want_drafts, sampling)
-                    for (u, tokens, _, sampling), h in zip(parsed, hidden, strict=True))
+                    for (_, u, tokens, _, _, sampling), h in zip(checked, hidden, strict=True))
     return DraftBatch(msg.batch_id, updates, tuple(msg.releases)), tuple(failures)
+
+
+def _packed_hidden_rows(checked, cols: int) -> list[torch.Tensor] | tuple | None:
+    """Per-update views of one packed [sum(n), H] buffer; None: decode one by one."""
+    if not checked:
+        return []
+    wire = checked[0][3]
+    if any(c[3] is not wire for c in checked):
+        return None
+    scales = [c[1].hidden.scales for c in checked] if wire.quantized else ()
+    packed = packed_rows(wire, cols, [c[4] for c in checked], scales)  # [sum(n), H]
+    if packed is None:
+        return None
+    return torch.split(packed, [len(c[2]) for c in checked])
+
+
+def _decode_each(checked, failures: list[SeqFailure]):
+    good, arrays = [], []
+    for c in checked:
+        i, u = c[0], c[1]
+        try:
+            arrays.append(decode_array(u.hidden, name=f"updates[{i}].hidden"))
+            good.append(c)
+        except WireError as err:
+            failures.append(_failure(u.seq_id, err))
+    return good, to_tensors(arrays)
 
 
 # ------------------------------------------------------------------- drafter -> verifier
 
 
 def encode_result(r: SeqOutcome) -> pb.SequenceResult:
+    msg = pb.SequenceResult()
+    _fill_result(msg, r, None)
+    return msg
+
+
+def _fill_result(out: pb.SequenceResult, r: SeqOutcome, tokens: list[int] | None) -> None:
+    """Write `r` into the empty `out`; `tokens`: r.tokens as a list, if already at hand."""
     if isinstance(r, SeqFailure):
-        return pb.SequenceResult(error=pb.SequenceError(
-            seq_id=r.seq_id, code=pb.ErrorCode.Value(f"ERROR_CODE_{r.code}"),
-            message=r.message, expected_start=r.expected_start))
-    drafts = pb.Drafts(seq_id=r.seq_id, position=r.position, tokens=r.tokens.tolist(),
-                       draft_time_s=r.draft_time_s)
+        e = out.error
+        e.seq_id, e.code = r.seq_id, pb.ErrorCode.Value(f"ERROR_CODE_{r.code}")
+        e.message = r.message
+        if r.expected_start is not None:
+            e.expected_start = r.expected_start
+        return
+    d = out.drafts
+    d.seq_id, d.position, d.draft_time_s = r.seq_id, r.position, r.draft_time_s
+    d.tokens.extend(r.tokens.tolist() if tokens is None else tokens)
     if r.sampled:
-        drafts.support.CopyFrom(encode_tensor(r.support, WireDType.INT32))
-        drafts.probs.CopyFrom(encode_tensor(r.probs, WireDType.F32))
-    return pb.SequenceResult(drafts=drafts)
+        encode_tensor(r.support, WireDType.INT32, out=d.support)
+        encode_tensor(r.probs, WireDType.F32, out=d.probs)
 
 
 def encode_draft_response(reply: DraftReply) -> pb.DraftResponse:
-    return pb.DraftResponse(batch_id=reply.batch_id,
-                            results=[encode_result(r) for r in reply.results])
+    """Filled in place; the draft tokens of the whole reply reach the host in one copy."""
+    msg = pb.DraftResponse(batch_id=reply.batch_id)
+    drafts = [r for r in reply.results if isinstance(r, DraftResult)]
+    ids = iter(_token_lists(drafts))
+    for r in reply.results:
+        _fill_result(msg.results.add(), r, next(ids) if isinstance(r, DraftResult) else None)
+    return msg
+
+
+def _token_lists(drafts: list[DraftResult]) -> list[list[int]]:
+    if len(drafts) > 1 and len({r.tokens.shape for r in drafts}) == 1:
+        return torch.stack([r.tokens for r in drafts]).tolist()
+    return [r.tokens.tolist() for r in drafts]
 
 
 def decode_error(msg: pb.SequenceError) -> SeqFailure:
@@ -254,15 +310,39 @@ def decode_drafts(msg: pb.Drafts, limits: DraftLimits, name: str = "drafts") -> 
 
 
 def decode_draft_response(msg: pb.DraftResponse, limits: DraftLimits) -> DraftReply:
-    """Drafts and failures; drafts that fail validation become INVALID_ARGUMENT failures."""
-    results: list[SeqOutcome] = []
-    for i, r in enumerate(msg.results):
+    """Drafts and failures; drafts that fail validation become INVALID_ARGUMENT failures.
+
+    Greedy drafts (K tokens, no support) are checked and turned into tensors for the whole
+    reply at once; each `DraftResult.tokens` is a row of one [n, K] tensor.
+    """
+    results: list[SeqOutcome | None] = []
+    greedy: list[tuple[int, int, pb.Drafts]] = []  # (index in results, in msg, drafts)
+    ids: list[int] = []
+    K = limits.num_draft_tokens
+    for j, r in enumerate(msg.results):
         kind = r.WhichOneof("outcome")
         if kind == "error":
             results.append(decode_error(r.error))
         elif kind == "drafts":
-            try:
-                results.append(decode_drafts(r.drafts, limits, f"results[{i}].drafts"))
-            except WireError as err:
-                results.append(_failure(r.drafts.seq_id, err))
+            d = r.drafts
+            if len(d.tokens) == K and not d.HasField("support") and not d.HasField("probs"):
+                greedy.append((len(results), j, d))
+                ids.extend(d.tokens)
+                results.append(None)
+            else:
+                results.append(_decoded_or_failure(d, limits, f"results[{j}]"))
+    if greedy and max(ids) < limits.vocab_size:
+        rows = torch.tensor(ids, dtype=torch.int64).view(len(greedy), K).unbind(0)  # [K] each
+        for (i, _, d), tokens in zip(greedy, rows, strict=True):
+            results[i] = DraftResult(d.seq_id, d.position, tokens, None, None, d.draft_time_s)
+    else:  # a token out of range (or none): one by one, naming the culprit
+        for i, j, d in greedy:
+            results[i] = _decoded_or_failure(d, limits, f"results[{j}]")
     return DraftReply(msg.batch_id, tuple(results))
+
+
+def _decoded_or_failure(d: pb.Drafts, limits: DraftLimits, name: str) -> SeqOutcome:
+    try:
+        return decode_drafts(d, limits, f"{name}.drafts")
+    except WireError as err:
+        return _failure(d.seq_id, err)

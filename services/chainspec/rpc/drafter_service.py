@@ -1,9 +1,11 @@
 """The Drafter gRPC service over a `DrafterEngine` (DESIGN 4.1, 4.3).
 
-Threading: the engine is not thread-safe, so every touch of it (decode, releases,
-`update`, encode, and a stream's cleanup) runs as one job on a single worker thread;
-the event loop only moves messages. A stream's requests are answered one at a time, in
-order, exactly once each.
+Threading: the engine is not thread-safe and runs one round at a time, so every touch
+of it (decode, releases, `update`, encode, a stream's cleanup, warm-up) runs on the
+event loop's thread, the engine's only thread. A request is answered where it arrives:
+no hop to a worker thread and back (two thread wake-ups a round); a round blocks the
+loop, which could not start another round meanwhile anyway. A stream's requests are
+answered one at a time, in order, exactly once each.
 
 Sequence ids are scoped per stream: each stream maps the verifier's `seq_id`s to
 engine-unique ids (errors name the verifier's), and everything the stream holds is
@@ -20,7 +22,6 @@ import itertools
 import re
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -28,6 +29,7 @@ import torch
 
 from chainspec.engine.draft_types import (
     DraftReply,
+    DraftResult,
     ErrorCode,
     SeqFailure,
     SeqOutcome,
@@ -91,9 +93,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         c = engine.config
         self.limits = DraftLimits(engine.hidden_size, engine.vocab_size, c.num_steps,
                                   max_rows=c.max_len, max_top_k=c.top_k)
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="drafter-engine")
         self.draining = False
-        self._ids = itertools.count()  # engine ids; touched on the worker thread only
+        self._warm = asyncio.Event()  # set once warm-up no longer touches the engine
+        self._ids = itertools.count()  # engine ids; touched on the loop's thread only
         self.trace: RoundTrace | None = None  # opt-in hop timestamps (benchmarks)
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -106,17 +108,18 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         except WireError as e:
             await context.abort(e.code, e.message)
         stream = _Stream(limit)
-        loop = asyncio.get_running_loop()
+        await self._warm.wait()  # NOTE: warm-up runs off the loop; never beside a round
         try:
             async for request in request_iterator:
                 if self.trace is not None:
                     self.trace.mark(request.batch_id, "d_recv")
-                response = await loop.run_in_executor(self.worker, self.answer, stream, request)
+                # NOTE: on the loop's thread (the engine's); see the module docstring
+                response = self.answer(stream, request)
                 if self.trace is not None:
                     self.trace.mark(request.batch_id, "d_send")
                 yield response
         finally:
-            self._forget_stream(stream)
+            self._release_stream(stream)
 
     async def Info(self, request, context) -> pb.DrafterInfo:
         e, c = self.engine, self.engine.config
@@ -130,8 +133,12 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
     # -- lifecycle ----------------------------------------------------------------------
     async def warm_up(self) -> None:
-        """One throwaway round on a scratch sequence (and the fingerprint), off the loop."""
-        await asyncio.get_running_loop().run_in_executor(self.worker, self._warm_up)
+        """One throwaway round on a scratch sequence (and the fingerprint), off the loop
+        so that health answers NOT_SERVING meanwhile; streams wait for it."""
+        try:
+            await asyncio.to_thread(self._warm_up)
+        finally:
+            self._warm.set()
 
     def _warm_up(self) -> None:
         if self.fingerprint is None:
@@ -150,17 +157,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         self.draining = True
 
     def close(self) -> None:
-        """After the server stopped: finish queued jobs (stream releases among them)."""
-        self.worker.shutdown(wait=True)
+        """After the server stopped. Nothing is left to finish: streams released what they
+        held when they ended, on the loop."""
 
-    def _forget_stream(self, stream: _Stream) -> None:
-        try:
-            # NOTE: queued behind any job still running for this stream (one FIFO thread)
-            self.worker.submit(self._release_stream, stream)
-        except RuntimeError:  # worker shut down: no job can touch the engine any more
-            self._release_stream(stream)
-
-    # -- one request, on the worker thread -------------------------------------------
+    # -- one request, on the loop's thread -------------------------------------------
     def answer(self, stream: _Stream, request: pb.DraftRequest) -> pb.DraftResponse:
         trace = self.trace
         if trace is not None:
@@ -196,7 +196,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 if u.start == 0:
                     stream.ids[u.seq_id] = eid
                     fresh.add(u.seq_id)
-            scoped.append(replace(u, seq_id=eid))
+            scoped.append(SeqUpdate(eid, u.start, u.tokens, u.hidden, u.want_drafts,
+                                    u.sampling))
             admitted.append(u)
         t0 = time.perf_counter()
         outcomes = self.engine.update(scoped) if scoped else []
@@ -232,7 +233,7 @@ def _unscoped(out: SeqOutcome, seq_id: int, engine_id: int, elapsed: float) -> S
         # NOTE: engine messages name the engine's id; the verifier knows only its own
         message = re.sub(rf"\bsequence {engine_id}\b", f"sequence {seq_id}", out.message)
         return replace(out, seq_id=seq_id, expected_start=expected, message=message)
-    return replace(out, seq_id=seq_id, draft_time_s=elapsed)
+    return DraftResult(seq_id, out.position, out.tokens, out.support, out.probs, elapsed)
 
 
 async def serve_drafter(engine: DrafterEngine, opts: ServerOptions, model_name: str,
