@@ -10,7 +10,7 @@ import pytest
 from chainspec import cli
 from tests.helm.commands import dry_run, sandbox
 from tests.helm.render import CASES, of_kind, template, worker_group
-from tests.helm.test_wiring import PROBES, ROLES
+from tests.helm.test_wiring import PROBES, ROLES, worker_groups
 
 HEALTH = ["python", "-m", "chainspec.commands.health"]
 TLS_SECRET_KEYS = {"tls.crt", "tls.key", "ca.crt"}  # kubernetes.io/tls (cert-manager)
@@ -39,7 +39,7 @@ def test_probes_check_the_port_the_actor_opens(case, booted, tmp_path):
     b = booted(case)
     config = b.of("up")[0].resolved["config"]
     configmaps = {d["metadata"]["name"]: d for d in of_kind(b.docs, "ConfigMap")}
-    for role in ROLES:
+    for role in sorted(worker_groups(b.docs)):  # no drafter group with drafter.mode local
         spec, c = _container(b.docs, role)
         for kind in (k for k in PROBES if k in c):
             probe = c[kind]
@@ -90,7 +90,7 @@ def test_mtls_without_probes_renders_no_probes_and_no_drafter_client_secret():
 def test_autoscaled_roles_have_no_liveness_probe(case, booted):
     """A drained actor leaves its autoscaled pod idle until the autoscaler removes it;
     a liveness probe on the actor's port would restart the pod instead."""
-    for role in ROLES:
+    for role in sorted(worker_groups(booted(case).docs)):
         group = worker_group(booted(case).docs, role)
         c = group["template"]["spec"]["containers"][0]
         if "readinessProbe" in c:

@@ -28,6 +28,10 @@ def resolve(container: dict, port) -> int:
     return number
 
 
+def worker_groups(docs) -> set[str]:
+    return {g["groupName"] for g in one(docs, "RayCluster")["spec"]["workerGroupSpecs"]}
+
+
 def ray_resources(group: dict) -> dict[str, float]:
     """rayStartParams `resources` ('"{\\"name\\": 1}"', as ray start wants it)."""
     raw = group["rayStartParams"]["resources"]
@@ -69,6 +73,10 @@ def test_stack_config_fits_the_worker_groups(case, booted):
     head = one(b.docs, "RayCluster")["spec"]["headGroupSpec"]
     scaled = {r.resolved["role"]: r.resolved["replicas"] for r in b.of("scale")}
     for role in ROLES:
+        if config[role].get("mode") == "local":  # drafting in each verifier: no drafters
+            assert role not in worker_groups(b.docs) and config[role]["replicas"] == 0
+            assert role not in scaled
+            continue
         group, rc = worker_group(b.docs, role), config[role]
         assert ray_resources(group) == {rc["resource"]: rc["resource_amount"]}, \
             "each pod offers exactly what one actor asks for"
@@ -98,7 +106,8 @@ def test_model_directory_is_mounted_where_it_is_read(case, booted):
         mounts = {m["name"]: m for m in pt.spec["containers"][0]["volumeMounts"]}
         assert mounts["model"]["readOnly"] is True
         assert model_dir.startswith(mounts["model"]["mountPath"]), pt.where
-    assert {pt.labels["app.kubernetes.io/component"] for pt in mounted} >= {*ROLES, "gateway"}
+    assert {pt.labels["app.kubernetes.io/component"] for pt in mounted} >= {
+        *worker_groups(b.docs), "gateway"}
 
 
 def test_secret_files_are_the_configured_keys(booted):
@@ -204,10 +213,11 @@ def test_services_and_budgets_select_their_pods(case, booted):
 def test_network_policy_admits_the_release_and_metrics_only(case, booted):
     docs = booted(case).docs
     policy = one(docs, "NetworkPolicy")["spec"]
-    assert _components(policy["podSelector"], docs) == {"head", *ROLES}
+    roles = worker_groups(docs)  # no drafter pods with drafter.mode local
+    assert _components(policy["podSelector"], docs) == {"head", *roles}
     release, metrics = policy["ingress"][:2]
     assert "ports" not in release  # Ray and the services use many (ephemeral) ports
-    assert _components(release["from"][0]["podSelector"], docs) == {"head", "gateway", *ROLES}
+    assert _components(release["from"][0]["podSelector"], docs) == {"head", "gateway", *roles}
     assert list(metrics["from"][0]) == ["namespaceSelector"]
     allowed = {p["port"] for p in metrics["ports"]}
     for pt in pod_templates(docs):

@@ -166,6 +166,25 @@ cluster always declares the resource -- the controller asks for it only then
 Ray wants whole numbers for node resources, hence 2 and 1 rather than 1 and 0.001. */}}
 {{- define "chainspec.actorUnits" -}}2{{- end -}}
 
+{{/* Whether each verifier drafts in its own process (drafter.mode local): then nothing
+of the drafter role is rendered. Also refuses values that cannot mean anything. */}}
+{{- define "chainspec.drafterLocal" -}}
+{{- if hasKey .Values.verifier "mode" -}}
+{{- fail "verifier.mode: only the drafter role has a mode (drafter.mode)" -}}
+{{- end -}}
+{{- if eq (.Values.drafter.mode | default "remote") "local" -}}
+{{- if .Values.drafter.autoscaling -}}
+{{- fail "drafter.autoscaling needs drafter.mode remote: with local there are no drafter pods" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The roles with worker pods: verifier, and drafter unless drafting is local. */}}
+{{- define "chainspec.podRoles" -}}
+{{- if include "chainspec.drafterLocal" . -}}verifier{{- else -}}verifier drafter{{- end -}}
+{{- end -}}
+
 {{/* Whether Ray's autoscaler runs (any role autoscaled). */}}
 {{- define "chainspec.autoscaling" -}}
 {{- if or .Values.drafter.autoscaling .Values.verifier.autoscaling -}}true{{- end -}}
