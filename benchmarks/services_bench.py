@@ -1,23 +1,28 @@
-"""Services benchmark: plain vs speculative in one process vs speculative over gRPC with
-the verifier and the drafter in separate Ray actors (DESIGN 4.4), greedy, batch 1 and 8.
+"""Services benchmark, every mode side by side in one run on one machine, greedy:
+
+- plain: the verifier engine alone, in this process;
+- in-process: speculative, the drafter engine called directly (`chainspec generate`'s path);
+- stack local: a Ray stack with `drafter.mode: local` -- the verifier actor runs its MTP
+  modules in its own process (the co-located baseline the split must beat);
+- gRPC g1 / g2: a Ray stack whose verifier actor reaches a drafter actor over gRPC, with
+  1 pipelined group (no overlap) and with 2 (DESIGN 4.8).
 
     RAY_AUTH_MODE=disabled .venv/bin/python benchmarks/services_bench.py \
-        [--model DIR] [--batch 1 8] [--max-tokens 128] [--out benchmarks/results/services]
+        [--model DIR] [--batch 1 4 8 16] [--max-tokens 128] [--repeats 3] \
+        [--out benchmarks/results/services_bench]
 
-Figures per batch size:
-- tokens/s of each mode (generated tokens / wall time; gRPC: measured at the client);
-- round_ms: engine step time (one verify round) -- in process from the engine loop, over
-  gRPC from the verifier actor's own counters;
-- draft_wait_ms: how long a gRPC round waited for drafts (collect start .. drafts in hand);
-- drafter_ms: the drafter's compute per round, in process and inside the drafter actor;
-- wire_ms = draft_wait - drafter compute (actor) + the verifier's request encode: what
-  the wire (serialization both ways, transfer, thread hops) costs a round; wire_share =
-  wire_ms / gRPC round_ms; extra_round_ms = round_ms(gRPC) - round_ms(in process), which
-  also holds process effects (GIL, scheduling) and machine noise;
-- codec_ms: serialization alone (encode + decode of the round's request and response),
-  replayed offline on updates captured from the in-process run;
-- bytes_per_round: protobuf payload bytes sent + received by the verifier's draft pool.
-Outputs of every mode are compared with plain decoding (lossless: true/false).
+The stack modes are measured at a gRPC client of the verifier (Generate), so stack local
+vs gRPC is like for like; in-process and plain carry no Generate overhead. Repeats run the
+modes in ABBA order (forward, then reversed) so load drifts hit every mode alike; medians.
+
+Figures per batch size and mode: tokens/s; round_ms (verifier step time); draft_wait_ms
+(how long a step waited for drafts); drafter_ms (the drafter's compute per draft batch,
+in the drafter actor or in the verifier process); acceptance length. For gRPC g1:
+wire_ms = draft_wait - drafter compute + the verifier's request encode (serialization both
+ways, transfer, thread hops) and wire_share = wire_ms / round_ms; for every remote mode
+wait_share = draft_wait / round_ms (what the drafter and the wire cost a step, after any
+overlap). codec_ms: encode + decode of a round's request and response, replayed offline
+on updates captured in process. Outputs of every mode are compared with plain (lossless).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,9 +43,16 @@ import ray
 import torch
 
 from chainspec.cluster import stack
-from chainspec.cluster.config import StackConfig
+from chainspec.cluster.config import DrafterRoleConfig, StackConfig
 from chainspec.engine.draft_types import DraftBatch, DraftReply
-from chainspec.engine.local import DEMO_MODEL, LocalOptions, build_verifier, load_models
+from chainspec.engine.local import (
+    DEMO_MODEL,
+    DrafterMode,
+    LocalDrafts,
+    LocalOptions,
+    build_verifier,
+    load_models,
+)
 from chainspec.engine.request import StopConditions
 from chainspec.engine.runner import merged_stats, run_to_completion
 from chainspec.engine.sampling import SamplingParams
@@ -59,37 +72,28 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n  
            "if __name__ == \"__main__\":\n", "def quicksort(items):\n"]
 NS = "chainspec-bench"
 GREEDY = SamplingParams(temperature=0.0)
+# stack mode -> (drafter mode, pipeline groups)
+STACKS = {"stack_local": (DrafterMode.LOCAL, 1), "grpc_g1": (DrafterMode.REMOTE, 1),
+          "grpc_g2": (DrafterMode.REMOTE, 2)}
+MODES = ("plain", "inproc", *STACKS)
 
 
 # ------------------------------------------------------------------------ in process
 
 
-class TimedClient:
-    """An in-process draft client (as LocalDraftClient) that times the drafter's compute
-    and keeps a few rounds of updates and outcomes for the offline codec measurement."""
+class TimedClient(LocalDrafts):
+    """The in-process drafter (it times its own compute) keeping a few rounds of updates
+    and outcomes for the offline codec measurement."""
 
     def __init__(self, engine, keep: int = 64) -> None:
-        self.engine, self.keep = engine, keep
-        self.calls, self.seconds = 0, 0.0
+        super().__init__(engine)
+        self.keep = keep
         self.rounds: list[tuple[list, list]] = []
-        self._ready: dict = {}
 
     def submit(self, updates) -> None:
-        t0 = time.perf_counter()
-        outcomes = self.engine.update(updates)
-        self.seconds += time.perf_counter() - t0
-        self.calls += 1
-        for upd, out in zip(updates, outcomes, strict=True):
-            self._ready[upd.seq_id] = out
-        if len(self.rounds) < self.keep and self.calls > 2:
-            self.rounds.append((list(updates), list(outcomes)))
-
-    def collect(self):
-        ready, self._ready = self._ready, {}
-        return ready
-
-    def release(self, seq_ids) -> None:
-        self.engine.release(seq_ids)
+        super().submit(updates)
+        if len(self.rounds) < self.keep and self.stats.rounds > 2:
+            self.rounds.append((list(updates), [self._ready[u.seq_id] for u in updates]))
 
 
 def run_local(models, opts: LocalOptions, prompts, max_tokens: int, speculative: bool) -> dict:
@@ -99,19 +103,20 @@ def run_local(models, opts: LocalOptions, prompts, max_tokens: int, speculative:
     stop = StopConditions(max_tokens=max_tokens, ignore_eos=True)
     run_to_completion(engine, prompts[:1], GREEDY, StopConditions(max_tokens=8, ignore_eos=True))
     if speculative:
-        engine.drafter.calls, engine.drafter.seconds, engine.drafter.rounds = 0, 0.0, []
+        engine.drafter.stats.rounds, engine.drafter.stats.draft_s_total = 0, 0.0
+        engine.drafter.rounds = []
     result = run_to_completion(engine, prompts, GREEDY, stop)
     out = {"tokens_per_s": result.generated_tokens / result.seconds,
            "seconds": result.seconds, "steps": result.steps,
            "round_ms": 1e3 * result.seconds / result.steps,
            "outputs": [c.tokens for c in result.completions]}
     if speculative:
-        client = engine.drafter
-        out["drafter_ms"] = 1e3 * client.seconds / max(client.calls, 1)
+        st = engine.drafter.stats
+        out["drafter_ms"] = 1e3 * st.draft_s_total / max(st.rounds, 1)
         out["acceptance_length"] = merged_stats(result.completions,
                                                 opts.num_steps).acceptance_length
-        out["encode_ms"], out["codec_ms"] = codec_ms(client.rounds, models.target.config,
-                                                     opts.num_steps)
+        out["encode_ms"], out["codec_ms"] = codec_ms(engine.drafter.rounds,
+                                                     models.target.config, opts.num_steps)
     return out
 
 
@@ -141,6 +146,7 @@ def pb_parse(msg):
 
 
 def run_grpc(endpoint: str, actors, prompts, max_tokens: int) -> dict:
+    """Every prompt at once through the verifier's Generate; counters from the actors."""
     channel = grpc.insecure_channel(endpoint)
     stub = pb_grpc.VerifierStub(channel)
     results: list = [None] * len(prompts)
@@ -166,34 +172,45 @@ def run_grpc(endpoint: str, actors, prompts, max_tokens: int) -> dict:
     wall = time.perf_counter() - t0
     after = ray.get([a.stats.remote() for a in actors])
     channel.close()
-    d = {key: a[key] - b[key] for a, b in zip(after, before, strict=True) for key in a}
+    d: dict[str, float] = {}
+    for a, b in zip(after, before, strict=True):
+        for key in a:
+            d[key] = d.get(key, 0) + a[key] - b[key]
     steps = max(d["steps"], 1)
+    # drafter compute: the drafter actor's (remote) or the verifier's in-process drafter's
+    draft_s = d.get("update_s_total", d.get("draft_s_total", 0.0))
+    draft_batches = max(d.get("updates", d.get("rounds", 0)), 1)
     stats = [s for _, s in results]
     rounds = sum(s.rounds - s.fallback_rounds for s in stats)
     return {"tokens_per_s": sum(len(t) for t, _ in results) / wall, "seconds": wall,
             "steps": d["steps"], "round_ms": 1e3 * d["step_s_total"] / steps,
-            "draft_wait_ms": 1e3 * d["wait_s_total"] / max(d["rounds"], 1),
-            "drafter_remote_ms": 1e3 * d["update_s_total"] / max(d["updates"], 1),
-            "bytes_per_round": (d["bytes_sent"] + d["bytes_received"]) / steps,
-            "late_batches": d["late_batches"],
+            "step_s_total": d["step_s_total"], "wait_s_total": d.get("wait_s_total", 0.0),
+            "draft_s_total": draft_s, "draft_batches": draft_batches,
+            "draft_wait_ms": 1e3 * d.get("wait_s_total", 0.0) / steps,
+            "drafter_ms": 1e3 * draft_s / draft_batches,
+            "bytes_per_round": (d.get("bytes_sent", 0) + d.get("bytes_received", 0)) / steps,
+            "late_batches": d.get("late_batches", 0),
             "fallback_rounds": sum(s.fallback_rounds for s in stats),
             "acceptance_length": 1 + sum(s.accepted_tokens for s in stats) / max(rounds, 1),
             "outputs": [t for t, _ in results]}
 
 
-def start_stack(model: Path, k: int, max_seqs: int, max_len: int):
-    """A stack of one verifier and one drafter actor; returns (endpoint, [actors])."""
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR",
-             log_to_driver=False)
+def start_stack(name: str, model: Path, k: int, max_seqs: int, max_len: int):
+    """Stack `name` of STACKS (one verifier actor, and one drafter actor unless local);
+    returns (endpoint, [actors])."""
+    mode, groups = STACKS[name]
+    ns = f"{NS}-{name.replace('_', '-')}"
     stack.up(StackConfig(model_dir=str(model), num_steps=k, max_seqs=max_seqs,
-                         max_len=max_len, namespace=NS, health_interval_s=2.0))
-    actors = [ray.get_actor(f"chainspec-{m}-0", namespace=NS) for m in ("verifier", "drafter")]
-    endpoint = [m for m in stack.status(namespace=NS) if m["role"] == "verifier"][0]["endpoint"]
+                         max_len=max_len, namespace=ns, health_interval_s=2.0,
+                         drafter=DrafterRoleConfig(mode=mode), pipeline_groups=groups))
+    roles = ("verifier",) if mode is DrafterMode.LOCAL else ("verifier", "drafter")
+    actors = [ray.get_actor(f"chainspec-{m}-0", namespace=ns) for m in roles]
+    endpoint = [m for m in stack.status(namespace=ns) if m["role"] == "verifier"][0]["endpoint"]
     deadline = time.monotonic() + 60
     channel = grpc.insecure_channel(endpoint)
     while pb_grpc.VerifierStub(channel).Info(pb.VerifierInfoRequest()).drafters < 1:
         if time.monotonic() > deadline:
-            raise RuntimeError("the verifier never connected to the drafter")
+            raise RuntimeError(f"{name}: the verifier never connected to a drafter")
         time.sleep(0.2)
     channel.close()
     return endpoint, actors
@@ -211,63 +228,110 @@ def median_run(runs: list[dict]) -> dict:
     return out
 
 
-def summarize(batch: int, plain: dict, local: dict, remote: dict) -> dict:
+def summarize(batch: int, runs: dict[str, dict]) -> dict:
+    plain, inproc = runs["plain"], runs["inproc"]
+    row = {"batch": batch, "acceptance_length": inproc["acceptance_length"],
+           "codec_ms": inproc["codec_ms"], "drafter_inproc_ms": inproc["drafter_ms"],
+           "plain_round_ms": plain["round_ms"], "inproc_round_ms": inproc["round_ms"]}
+    for mode in MODES:
+        row[f"{mode}_tok_s"] = runs[mode]["tokens_per_s"]
+        row[f"lossless_{mode}"] = runs[mode]["outputs"] == plain["outputs"]
+    for mode in STACKS:
+        r = runs[mode]
+        row[f"{mode}_round_ms"] = r["round_ms"]
+        row[f"{mode}_draft_wait_ms"] = r["draft_wait_ms"]
+        row[f"{mode}_drafter_ms"] = r["drafter_ms"]
+        row[f"{mode}_acceptance_length"] = r["acceptance_length"]
+        row[f"{mode}_fallback_rounds"] = r["fallback_rounds"]
+        if mode != "stack_local":
+            row[f"{mode}_wait_share"] = r["wait_s_total"] / r["step_s_total"]
+            row[f"{mode}_bytes_per_round"] = r["bytes_per_round"]
+            row[f"{mode}_late_batches"] = r["late_batches"]
+    g1 = runs["grpc_g1"]
     # NOTE: the draft wait holds transfer, both sides' codec but the verifier's encode,
     # and the drafter's compute (measured in the drafter actor); the wire is the rest.
-    wire = remote["draft_wait_ms"] - remote["drafter_remote_ms"] + local["encode_ms"]
-    return {
-        "batch": batch,
-        "plain_tok_s": plain["tokens_per_s"],
-        "spec_local_tok_s": local["tokens_per_s"],
-        "spec_grpc_tok_s": remote["tokens_per_s"],
-        "speedup_local": local["tokens_per_s"] / plain["tokens_per_s"],
-        "speedup_grpc": remote["tokens_per_s"] / plain["tokens_per_s"],
-        "acceptance_length_local": local["acceptance_length"],
-        "acceptance_length_grpc": remote["acceptance_length"],
-        "plain_round_ms": plain["round_ms"],
-        "local_round_ms": local["round_ms"],
-        "grpc_round_ms": remote["round_ms"],
-        "drafter_ms": local["drafter_ms"],
-        "drafter_remote_ms": remote["drafter_remote_ms"],
-        "draft_wait_ms": remote["draft_wait_ms"],
-        "wire_ms": wire,
-        "wire_share": wire / remote["round_ms"],
-        "extra_round_ms": remote["round_ms"] - local["round_ms"],
-        "codec_ms": local["codec_ms"],
-        "bytes_per_round": remote["bytes_per_round"],
-        "late_batches": remote["late_batches"],
-        "fallback_rounds": remote["fallback_rounds"],
-        "lossless_local": local["outputs"] == plain["outputs"],
-        "lossless_grpc": remote["outputs"] == plain["outputs"],
-    }
+    wire_s = g1["wait_s_total"] - g1["draft_s_total"] + \
+        1e-3 * inproc["encode_ms"] * g1["draft_batches"]
+    row["wire_ms"] = 1e3 * wire_s / max(g1["steps"], 1)
+    row["wire_share"] = wire_s / g1["step_s_total"]
+    best = max(("grpc_g1", "grpc_g2"), key=lambda m: row[f"{m}_tok_s"])
+    row["best_remote"] = best
+    for base in ("inproc", "stack_local", "plain"):
+        for mode in ("grpc_g1", "grpc_g2"):
+            row[f"{mode}_vs_{base}"] = row[f"{mode}_tok_s"] / row[f"{base}_tok_s"]
+    row["inproc_vs_plain"] = row["inproc_tok_s"] / row["plain_tok_s"]
+    row["stack_local_vs_plain"] = row["stack_local_tok_s"] / row["plain_tok_s"]
+    row["lossless"] = all(row[f"lossless_{m}"] for m in MODES)
+    return row
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# services_bench ({meta['model']})", "",
              f"{meta['host']}; torch threads {meta['threads']}; K={meta['k']}; "
              f"{meta['max_tokens']} tokens per request; greedy; median of {meta['repeats']} "
-             f"interleaved runs; load average at the end "
+             f"ABBA-interleaved runs; load average at the start "
+             f"{', '.join(f'{x:.1f}' for x in meta['load_average_start'])}, at the end "
              f"{', '.join(f'{x:.1f}' for x in meta['load_average'])}.", "",
-             "| batch | plain tok/s | spec in-process tok/s | spec gRPC tok/s | gRPC speedup "
-             "| acc. len | round ms (plain / local / gRPC) | drafter ms (local / actor) "
-             "| draft wait ms | wire ms (share) | codec ms | bytes/round | lossless |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Tokens/s (x plain):", "",
+             "| batch | plain | spec in-process | stack local | gRPC g1 | gRPC g2 "
+             "| acc. len | lossless (all 5) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{r['plain_tok_s']:.1f}"] + [
+            f"{r[f'{m}_tok_s']:.1f} ({r[f'{m}_tok_s'] / r['plain_tok_s']:.2f}x)"
+            for m in MODES[1:]]
+        lines.append(f"| {r['batch']} | {' | '.join(cells)} | {r['acceptance_length']:.2f} "
+                     f"| {r['lossless']} |")
+    lines += ["", "Ratios of the remote (gRPC) modes:", "",
+              "| batch | g1 / in-process | g2 / in-process | g1 / stack local "
+              "| g2 / stack local | g1 / plain | g2 / plain |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | " + " | ".join(
+            f"{r[f'{m}_vs_{b}']:.2f}" for b in ("inproc", "stack_local", "plain")
+            for m in ("grpc_g1", "grpc_g2")) + " |")
+    lines += ["", "Round anatomy (ms per verifier step; drafter ms per draft batch):", "",
+              "| batch | round plain / in-proc / local / g1 / g2 | drafter in-proc / local "
+              "/ g1 / g2 | draft wait g1 / g2 | wait share g1 / g2 | wire ms g1 (share) "
+              "| codec ms | bytes/round g1 |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_local_tok_s']:.1f} "
-            f"({r['speedup_local']:.2f}x) | {r['spec_grpc_tok_s']:.1f} "
-            f"| {r['speedup_grpc']:.2f}x | {r['acceptance_length_grpc']:.2f} "
-            f"| {r['plain_round_ms']:.2f} / {r['local_round_ms']:.2f} / {r['grpc_round_ms']:.2f} "
-            f"| {r['drafter_ms']:.2f} / {r['drafter_remote_ms']:.2f} | {r['draft_wait_ms']:.2f} "
-            f"| {r['wire_ms']:.2f} ({100 * r['wire_share']:.0f}%) | {r['codec_ms']:.2f} "
-            f"| {r['bytes_per_round']:.0f} | {r['lossless_local'] and r['lossless_grpc']} |")
+            f"| {r['batch']} | {r['plain_round_ms']:.2f} / {r['inproc_round_ms']:.2f} / "
+            f"{r['stack_local_round_ms']:.2f} / {r['grpc_g1_round_ms']:.2f} / "
+            f"{r['grpc_g2_round_ms']:.2f} | {r['drafter_inproc_ms']:.2f} / "
+            f"{r['stack_local_drafter_ms']:.2f} / {r['grpc_g1_drafter_ms']:.2f} / "
+            f"{r['grpc_g2_drafter_ms']:.2f} | {r['grpc_g1_draft_wait_ms']:.2f} / "
+            f"{r['grpc_g2_draft_wait_ms']:.2f} | {100 * r['grpc_g1_wait_share']:.0f}% / "
+            f"{100 * r['grpc_g2_wait_share']:.0f}% | {r['wire_ms']:.2f} "
+            f"({100 * r['wire_share']:.0f}%) | {r['codec_ms']:.2f} "
+            f"| {r['grpc_g1_bytes_per_round']:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def run_batch(batch: int, prompts, models, opts, stacks, args) -> dict:
+    """Every mode `args.repeats` times, ABBA order; the row of medians."""
+    batch_prompts = (prompts * batch)[:batch]
+    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    for r in range(args.repeats):
+        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+            if mode in STACKS:
+                runs[mode].append(run_grpc(*stacks[mode], batch_prompts, args.max_tokens))
+            else:
+                runs[mode].append(run_local(models, opts, batch_prompts, args.max_tokens,
+                                            mode == "inproc"))
+    row = summarize(batch, {m: median_run(runs[m]) for m in MODES})
+    reference = runs["plain"][0]["outputs"]
+    for m in MODES:  # every run of every mode, not only the first
+        row[f"lossless_{m}"] = all(r["outputs"] == reference for r in runs[m])
+    row["lossless"] = all(row[f"lossless_{m}"] for m in MODES)
+    return row
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, default=DEMO_MODEL)
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=3)
     p.add_argument("--max-len", type=int, default=512)
@@ -276,32 +340,30 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("CHAINSPEC_STATE_DIR", tempfile.mkdtemp(prefix="services-bench-"))
     torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
     tok = Tokenizer.from_dir(args.model)
     prompts = [tok.encode(t) for t in PROMPTS]
     opts = LocalOptions(model_dir=args.model, num_steps=args.k, max_seqs=max(args.batch),
                         max_len=args.max_len)
     models = load_models(opts)
-    endpoint, actors = start_stack(args.model, args.k, max(args.batch), args.max_len)
-    rows = []
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR",
+             log_to_driver=False)
+    stacks, rows = {}, []
     try:
+        for name in STACKS:
+            stacks[name] = start_stack(name, args.model, args.k, max(args.batch), args.max_len)
         for batch in args.batch:
-            batch_prompts = (prompts * batch)[:batch]
-            runs: dict[str, list[dict]] = {"plain": [], "local": [], "grpc": []}
-            for _ in range(args.repeats):  # interleaved, so load changes hit every mode
-                runs["plain"].append(run_local(models, opts, batch_prompts, args.max_tokens,
-                                               False))
-                runs["local"].append(run_local(models, opts, batch_prompts, args.max_tokens,
-                                               True))
-                runs["grpc"].append(run_grpc(endpoint, actors, batch_prompts,
-                                             args.max_tokens))
-            rows.append(summarize(batch, *(median_run(runs[m]) for m in runs)))
+            rows.append(run_batch(batch, prompts, models, opts, stacks, args))
             print(json.dumps(rows[-1], indent=1), flush=True)
     finally:
-        stack.down(namespace=NS)
+        for name in stacks:
+            stack.down(namespace=f"{NS}-{name.replace('_', '-')}")
         ray.shutdown()
     meta = {"model": str(args.model), "k": args.k, "max_tokens": args.max_tokens,
-            "repeats": args.repeats, "load_average": os.getloadavg(),
+            "repeats": args.repeats, "load_average_start": load_start,
+            "load_average": os.getloadavg(), "batches": args.batch,
             "threads": args.threads, "host": f"{platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} CPUs, python {sys.version.split()[0]}, torch {torch.__version__}"}
     report = markdown(rows, meta)
