@@ -76,6 +76,17 @@ def test_verifier_options_carry_mode_and_groups_into_the_engine_config() -> None
         VerifierOptions(drafter="colocated")
 
 
+def test_a_local_mode_verifier_takes_no_drafter_endpoints() -> None:
+    """Refused before anything loads: a local-mode verifier never opens a wire."""
+    import asyncio
+
+    from chainspec.rpc.server import ServerOptions
+    from chainspec.rpc.verifier_service import VerifierOptions, serve_verifier
+    with pytest.raises(ValueError, match="drafter mode local drafts in process"):
+        asyncio.run(serve_verifier(VerifierOptions(drafter="local"), ServerOptions(),
+                                   drafters=["d0:7001"]))
+
+
 def test_local_drafts_stand_in_for_a_pool_of_one_and_take_no_endpoints() -> None:
     from chainspec.engine.local import LocalDrafts
 
