@@ -8,7 +8,8 @@
    batch of updates it sends (and the in-process drafts, round time and drafter time).
 2. Replay: a drafter server (`DrafterServicer`, its own process, as in a deployment)
    and a `GrpcDraftClient` here; each captured round is `submit` then `collect`, with
-   `--gap-ms` of sleep between rounds where the verifier would run its forward. Drafts
+   `--gap-ms` between rounds where the verifier would run its forward: busy with torch
+   matmuls on the verifier's thread as a forward is (`--idle-gap`: asleep). Drafts
    must equal the in-process ones (checked).
 3. Both sides record `RoundTrace` marks (`time.monotonic_ns()`, one clock for both
    processes on Linux) per batch id; the table gives the median of each hop over the
@@ -141,7 +142,15 @@ async def _serve(conn, model_dir: str, k: int, max_seqs: int, max_len: int) -> N
 # --------------------------------------------------------------------------- replay
 
 
-def replay(client: GrpcDraftClient, rounds, gap_s: float) -> tuple[list[dict], int]:
+def busy(seconds: float, x: torch.Tensor) -> None:
+    """Keep this thread in torch for `seconds`, as the verifier's forward keeps it."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        x = torch.tanh(x @ x)
+
+
+def replay(client: GrpcDraftClient, rounds, gap_s: float,
+           idle: bool = False) -> tuple[list[dict], int]:
     """Submit each captured round and collect it; per round: batch id, marks, engine s."""
     out, mismatches = [], 0
     trace = client.trace
@@ -159,7 +168,12 @@ def replay(client: GrpcDraftClient, rounds, gap_s: float) -> tuple[list[dict], i
                 mismatches += 1
         engine_s = [r.draft_time_s for r in got.values() if isinstance(r, DraftResult)]
         out.append({"wants": wants, "engine_s": engine_s[0] if engine_s else None})
-        time.sleep(gap_s if wants else max(gap_s, 0.05))  # no-draft batches: let them land
+        if not wants:
+            time.sleep(0.05)  # no-draft batches: let them land
+        elif idle:
+            time.sleep(gap_s)
+        else:
+            busy(gap_s, torch.randn(64, 64) / 8)
     client.release(sorted({u.seq_id for ups, _ in rounds for u in ups}))
     time.sleep(0.05)
     return out, mismatches
@@ -203,7 +217,8 @@ def summarize(rounds: list[dict], captured: dict) -> dict:
 
 
 def breakdown(model: Path, batches, k: int = 3, max_tokens: int = 64, max_len: int = 512,
-              repeats: int = 3, gap_ms: float = 10.0, threads: int = 1) -> list[dict]:
+              repeats: int = 3, gap_ms: float = 10.0, threads: int = 1,
+              idle_gap: bool = False) -> list[dict]:
     """One row per batch size: median hop times over `repeats` replays of a captured run."""
     tok = Tokenizer.from_dir(model)
     prompts = [tok.encode(t) for t in PROMPTS]
@@ -230,7 +245,7 @@ def breakdown(model: Path, batches, k: int = 3, max_tokens: int = 64, max_len: i
                 client.trace.drain()
                 conn.send("trace")
                 conn.recv()
-                got, bad = replay(client, captured["rounds"], gap_ms / 1e3)
+                got, bad = replay(client, captured["rounds"], gap_ms / 1e3, idle_gap)
                 conn.send("trace")
                 rounds += attach(client.trace.drain(), conn.recv(), got)
                 mismatches += bad
@@ -297,7 +312,8 @@ def main(argv=None) -> int:
     p.add_argument("-k", type=int, default=3)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3, help="replays per batch size")
-    p.add_argument("--gap-ms", type=float, default=10.0, help="sleep between rounds")
+    p.add_argument("--gap-ms", type=float, default=10.0, help="verifier work between rounds")
+    p.add_argument("--idle-gap", action="store_true", help="sleep between rounds instead")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--out", type=Path, default=None, help="write OUT.json")
     p.add_argument("--table", type=Path, nargs="+", default=None,
@@ -310,9 +326,10 @@ def main(argv=None) -> int:
         return 0
     torch.set_num_threads(args.threads)
     rows = breakdown(args.model, args.batch, args.k, args.max_tokens, args.max_len,
-                     args.repeats, args.gap_ms, args.threads)
+                     args.repeats, args.gap_ms, args.threads, args.idle_gap)
     meta = {"model": str(args.model), "k": args.k, "max_tokens": args.max_tokens,
-            "repeats": args.repeats, "gap_ms": args.gap_ms, "load_average": os.getloadavg(),
+            "repeats": args.repeats, "gap_ms": args.gap_ms, "idle_gap": args.idle_gap,
+            "load_average": os.getloadavg(),
             "host": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}"}
     if args.out:
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -145,14 +145,19 @@ def encode_rows(t: torch.Tensor, wire_dtype: WireDType | str | None = None) -> E
     if wire is None:
         raise ValueError(f"no default wire dtype for {t.dtype}; pass wire_dtype")
     rows, cols = math.prod(t.shape[:-1]), t.shape[-1]
-    x = t.detach().reshape(rows, cols)  # [rows, cols]
     scales = None
-    if wire.quantized:
-        x, scale = _quantize(x, wire)
-        scales = scale.cpu().numpy().astype("<f4", copy=False)
+    if wire is WireDType.F32 and t.dtype == torch.float32 and t.device.type == "cpu":
+        # NOTE: the common case in fewer torch ops; each costs tens of microseconds the
+        # first time after an idle gap (measured), more than the copy itself
+        data = np.ascontiguousarray(t.detach().numpy().reshape(rows, cols))
     else:
-        x = _convert(x, wire)
-    data = x.contiguous().cpu().numpy()
+        x = t.detach().reshape(rows, cols)  # [rows, cols]
+        if wire.quantized:
+            x, scale = _quantize(x, wire)
+            scales = scale.cpu().numpy().astype("<f4", copy=False)
+        else:
+            x = _convert(x, wire)
+        data = x.contiguous().cpu().numpy()
     data = data.astype(data.dtype.newbyteorder("<"), copy=False).view(np.uint8)
     return EncodedRows(wire, tuple(t.shape), data.reshape(rows, cols * wire.itemsize), scales)
 
@@ -266,11 +271,12 @@ def tensor_header(msg: tensor_pb.Tensor, *, name: str = "tensor",
     return wire, shape, data
 
 
-def packed_rows(wire: WireDType, cols: int, data: Sequence[bytes],
-                scales: Sequence[bytes] = ()) -> torch.Tensor | None:
-    """Float rows of several tensors whose headers passed `tensor_header`, decoded as one
-    [sum(rows), cols] float32 tensor (one copy, one finiteness check); None when any
-    scale or element is bad, so the caller decodes them one by one to name the culprit."""
+def packed_rows(wire: WireDType, cols: int, data: Sequence[bytes], counts: Sequence[int],
+                scales: Sequence[bytes] = ()) -> list[torch.Tensor] | None:
+    """Float rows of several tensors whose headers passed `tensor_header` (`counts` rows
+    each), decoded at once into one float32 buffer (one copy, one finiteness check);
+    returns a [count, cols] view of it per tensor. None when any scale or element is bad,
+    so the caller decodes them one by one to name the culprit."""
     joined = bytearray().join(data)  # NOTE: writable, so F32 needs no second copy
     rows = len(joined) // (cols * wire.itemsize)
     if wire.quantized:
@@ -282,7 +288,14 @@ def packed_rows(wire: WireDType, cols: int, data: Sequence[bytes],
         arr = _plain_array(joined, wire)
     if not np.isfinite(arr).all():
         return None
-    return torch.from_numpy(arr.reshape(rows, cols))
+    arr = arr.reshape(rows, cols)  # [sum(counts), cols]
+    # NOTE: numpy slices + from_numpy, not torch.split: after an idle gap every distinct
+    # torch op costs tens of microseconds the first time (measured), and this is one
+    out, r0 = [], 0
+    for n in counts:
+        out.append(torch.from_numpy(arr[r0:r0 + n]))
+        r0 += n
+    return out
 
 
 def _wire_dtype(msg: tensor_pb.Tensor, name: str) -> WireDType:
