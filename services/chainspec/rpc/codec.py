@@ -74,6 +74,7 @@ _ITEMSIZE = {WireDType.F32: 4, WireDType.F16: 2, WireDType.BF16: 2, WireDType.IN
 _DEFAULT_WIRE = {torch.float32: WireDType.F32, torch.float16: WireDType.F16,
                  torch.bfloat16: WireDType.BF16, torch.int32: WireDType.INT32,
                  torch.int64: WireDType.INT32}
+_BY_NUMBER = {d.value: d for d in WireDType}
 _QMAX = {WireDType.INT8: 127.0, WireDType.FP8_E4M3: 448.0}
 # All 256 e4m3fn codes as float32 (0x7f and 0xff are NaN), for a numpy-only decode.
 _FP8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(
@@ -299,11 +300,11 @@ def packed_rows(wire: WireDType, cols: int, data: Sequence[bytes], counts: Seque
 
 
 def _wire_dtype(msg: tensor_pb.Tensor, name: str) -> WireDType:
-    try:
-        return WireDType(msg.dtype)
-    except ValueError:
+    wire = _BY_NUMBER.get(msg.dtype)  # NOTE: a dict, not WireDType(n): no enum machinery
+    if wire is None:
         raise invalid(f"{name}: unknown dtype {msg.dtype}; known: "
-                      f"{', '.join(f'{d.name}={d.value}' for d in WireDType)}") from None
+                      f"{', '.join(f'{d.name}={d.value}' for d in WireDType)}")
+    return wire
 
 
 def _check_shape(shape: tuple[int, ...], name: str, expect_cols: int | None,
