@@ -43,6 +43,7 @@ class _ServiceActor:
         self.error: str | None = None
         self._start = asyncio.get_running_loop().create_task(self._start_and_register())
 
+    @ray.method(enable_task_events=False)  # several a second for ever: see controller.py
     async def ping(self) -> dict[str, Any]:
         """State for the controller: serving, endpoint, load, pid, node, metrics_url, error,
         a verifier's drafter links (endpoint -> live/connecting/dead/...) and its
