@@ -17,7 +17,7 @@ import pytest
 
 from chainspec import cli
 from chainspec.rpc.server import ServerOptions, start_server
-from tests.integration.test_tls_auth import _ca, _leaf
+from tests.integration.certs import make_ca, make_leaf
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")]
@@ -27,11 +27,11 @@ SERVICE = "test.v1.Thing"
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     d = tmp_path_factory.mktemp("certs")
-    _ca(d, "ca")
-    _ca(d, "rogue-ca")
-    _leaf(d, "server", "ca", "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n")
-    _leaf(d, "client", "ca", "extendedKeyUsage=clientAuth\n")
-    _leaf(d, "rogue", "rogue-ca", "extendedKeyUsage=clientAuth\n")
+    make_ca(d, "ca")
+    make_ca(d, "rogue-ca")
+    make_leaf(d, "server", "ca", "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n")
+    make_leaf(d, "client", "ca", "extendedKeyUsage=clientAuth\n")
+    make_leaf(d, "rogue", "rogue-ca", "extendedKeyUsage=clientAuth\n")
     return d
 
 

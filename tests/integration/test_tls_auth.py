@@ -5,7 +5,6 @@ with its own client certificate)."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -20,6 +19,7 @@ from chainspec.rpc.draft_pool import GrpcDraftClient, LinkState
 from chainspec.rpc.generated.v1 import drafter_pb2 as pb
 from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
 from chainspec.rpc.server import ServerOptions
+from tests.integration.certs import make_ca, make_leaf
 from tests.integration.grpc_helpers import DraftStream, LoopThread, drafter_engine, start_drafter
 from tests.unit.engine_fixtures import tied_pair
 
@@ -28,35 +28,15 @@ pytestmark = [pytest.mark.timeout(60),
 TOKEN = "s3cret-token"
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _ca(d: Path, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2",
-             "-subj", f"/CN={name}", "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
-
-
-def _leaf(d: Path, name: str, ca: str, ext: str) -> None:
-    (d / f"{name}.ext").write_text(ext)
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-             "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext",
-             cwd=d)
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("certs")
-    _ca(d, "ca")
-    _ca(d, "rogue-ca")
-    _leaf(d, "server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+    make_ca(d, "ca")
+    make_ca(d, "rogue-ca")
+    make_leaf(d, "server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
           "extendedKeyUsage=serverAuth\n")
-    _leaf(d, "client", "ca", "extendedKeyUsage=clientAuth\n")
-    _leaf(d, "rogue", "rogue-ca", "extendedKeyUsage=clientAuth\n")
+    make_leaf(d, "client", "ca", "extendedKeyUsage=clientAuth\n")
+    make_leaf(d, "rogue", "rogue-ca", "extendedKeyUsage=clientAuth\n")
     return d
 
 
