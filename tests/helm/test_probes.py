@@ -96,3 +96,13 @@ def test_autoscaled_roles_have_no_liveness_probe(case, booted):
         if "readinessProbe" in c:
             autoscaled = "replicas" not in group
             assert ("livenessProbe" in c) != autoscaled, (role, autoscaled)
+
+
+def test_every_client_checks_certificates_against_the_server_name(booted):
+    """Members dial each other by pod IP, which one shared certificate cannot list: the
+    stack's clients (verifiers -> drafters) and the gateway check `tls.serverName`, the
+    name the probes check too."""
+    b = booted("autoscaling-mtls-monitoring")
+    config = b.of("up")[0].resolved["config"]
+    assert config["tls_server_name"] == "localhost"
+    assert b.of("gateway")[0].resolved["tls"]["server_name"] == config["tls_server_name"]

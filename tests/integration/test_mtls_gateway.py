@@ -1,12 +1,14 @@
 """mTLS and the service token on every hop at once, end to end: drafter and verifier
-require client certificates and the token, the verifier reaches its drafter with its own
-certificate, and the gateway reaches the verifier with its certificate over the unary
+require client certificates and the token, their certificate names a service rather than
+the address clients dial (as pods dial each other's IPs), the verifier reaches its
+drafter with its own certificate, and the gateway reaches the verifier with its certificate over the unary
 (Info, health) and server-streaming (Generate) calls, serving the official `openai`
 client speculatively with plain decoding's greedy output. A gateway without a client
 certificate, or without the token, serves nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import openai
@@ -29,13 +31,16 @@ from tests.integration.helpers import plain_outputs, prompt_ids
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")]
 TOKEN, KEY, TOKENS = "svc-token-e2e", "sk-e2e", 16
+SERVER_NAME = "chainspec-workers.internal"
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     d = tmp_path_factory.mktemp("certs")
     make_ca(d, "ca")
-    make_leaf(d, "server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+    # NOTE: valid for a service name only, not the 127.0.0.1 every client dials (as pods
+    # dial each other's IPs): clients must check the name given by tls_server_name
+    make_leaf(d, "server", "ca", f"subjectAltName=DNS:{SERVER_NAME}\n"
               "extendedKeyUsage=serverAuth\n")
     make_leaf(d, "client", "ca", "extendedKeyUsage=clientAuth\n")
     return d
@@ -46,7 +51,8 @@ def services(model_dir, loop_thread, certs):
     server = ServerOptions(tls_cert=certs / "server.pem", tls_key=certs / "server.key",
                            tls_client_ca=certs / "ca.pem", auth_token=TOKEN)
     client = ClientOptions(tls_ca=certs / "ca.pem", tls_cert=certs / "client.pem",
-                           tls_key=certs / "client.key", auth_token=TOKEN)
+                           tls_key=certs / "client.key", auth_token=TOKEN,
+                           tls_server_name=SERVER_NAME)
     engine = DrafterEngine(load_draft_model(model_dir, cache_len=256),
                            DrafterConfig(num_steps=3, max_seqs=16, max_len=256))
     drafter = loop_thread.run(serve_drafter(engine, server, "tiny"))
@@ -86,12 +92,12 @@ def test_the_openai_client_is_served_over_mtls_with_the_token(loop_thread, servi
         loop_thread.run(gateway.stop())
 
 
-@pytest.mark.parametrize("missing", ["certificate", "token"])
+@pytest.mark.parametrize("missing", ["certificate", "token", "server name"])
 def test_a_gateway_without_credentials_serves_nothing(loop_thread, services, missing) -> None:
     verifier, client = services
-    bare = ClientOptions(tls_ca=client.tls_ca, auth_token=TOKEN) if missing == "certificate" \
-        else ClientOptions(tls_ca=client.tls_ca, tls_cert=client.tls_cert,
-                           tls_key=client.tls_key)
+    bare = dataclasses.replace(client, **{"certificate": dict(tls_cert=None, tls_key=None),
+                                          "token": dict(auth_token=None),
+                                          "server name": dict(tls_server_name=None)}[missing])
     gateway = _gateway(loop_thread, verifier, bare)
     try:
         api = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0)

@@ -111,6 +111,9 @@ class StackConfig:
     tls_server_key: str | None = None
     tls_client_cert: str | None = None
     tls_client_key: str | None = None
+    # the name clients check server certificates against, instead of the host they dial:
+    # members advertise pod/node IPs, which one shared certificate cannot list
+    tls_server_name: str | None = None
     health_interval_s: float = 1.0
     health_timeout_s: float = 5.0  # a member that does not answer a ping in time is dead
     drain_timeout_s: float = 30.0  # longest wait for a draining member's load to reach 0
@@ -152,7 +155,8 @@ class StackConfig:
         """How services call each other (verifier -> drafter, gateway -> verifier)."""
         return ClientOptions(auth_token=self.auth_token, tls_ca=_path(self.tls_ca),
                              tls_cert=_path(self.tls_client_cert),
-                             tls_key=_path(self.tls_client_key))
+                             tls_key=_path(self.tls_client_key),
+                             tls_server_name=self.tls_server_name)
 
     def role(self, role: str) -> RoleConfig:
         if role not in ROLES:

@@ -44,6 +44,8 @@ def add_parser(sub) -> list[str]:
     p.add_argument("--tls-ca", type=Path, help="CA that verifier certificates must chain to")
     p.add_argument("--tls-cert", type=Path, help="client certificate for mTLS (PEM)")
     p.add_argument("--tls-key", type=Path, help="client private key for mTLS (PEM)")
+    p.add_argument("--tls-server-name", help="name to check verifier certificates against "
+                                             "(default: the host dialled)")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the arguments, print them resolved, start nothing")
     return ["gateway"]
@@ -63,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
                           "namespace": args.namespace,
                           "tls": {k: str(v) if v else None for k, v in (
                               ("ca", args.tls_ca), ("cert", args.tls_cert),
-                              ("key", args.tls_key))}}, indent=2))
+                              ("key", args.tls_key), ("server_name", args.tls_server_name))}},
+                          indent=2))
         return 0
     from chainspec.gateway.chat_template import ChatTemplate
     from chainspec.gateway.server import GatewayServer
@@ -83,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
                                           ClientOptions(auth_token=token,
                                                         tls_ca=args.tls_ca,
                                                         tls_cert=args.tls_cert,
-                                                        tls_key=args.tls_key)))
+                                                        tls_key=args.tls_key,
+                                                        tls_server_name=args.tls_server_name)))
     print(f"gateway serving {server.url}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
