@@ -1,10 +1,10 @@
 """mTLS and the service token on every hop at once, end to end: drafter and verifier
-require client certificates and the token, their certificate names a service rather than
-the address clients dial (as pods dial each other's IPs), the verifier reaches its
-drafter with its own certificate, and the gateway reaches the verifier with its certificate over the unary
-(Info, health) and server-streaming (Generate) calls, serving the official `openai`
-client speculatively with plain decoding's greedy output. A gateway without a client
-certificate, or without the token, serves nothing."""
+require client certificates and the token; their certificate names a service rather than
+the address clients dial (as pods dial each other's IPs); the verifier reaches its drafter
+with its own certificate, and the gateway reaches the verifier with its certificate over
+the unary (Info, health) and server-streaming (Generate) calls, serving the official
+`openai` client speculatively with plain decoding's greedy output. A gateway without its
+client certificate, the token or the server name serves nothing."""
 
 from __future__ import annotations
 
