@@ -17,7 +17,9 @@
 
 wire = round trip (submit .. collect returns) - the drafter engine's update; the share
 is wire over an estimated gRPC round = in-process round - in-process drafter compute +
-round trip. `breakdown(...)` returns the rows for other benchmarks (services_bench).
+round trip. The floor beside it: a bare gRPC echo of the same byte sizes through the same
+server shell and client threading. `breakdown(...)` returns the rows, `table(...)` the
+markdown, for other benchmarks (services_bench). Results: benchmarks/results/round_breakdown.md
 """
 
 from __future__ import annotations
@@ -25,24 +27,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
+import queue
 import statistics
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import torch
 
-from chainspec.engine.draft_types import DraftResult
+from chainspec.engine.draft_types import DraftBatch, DraftReply, DraftResult
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from chainspec.engine.local import DEMO_MODEL, LocalOptions, build_verifier, load_models
 from chainspec.engine.request import StopConditions
 from chainspec.engine.runner import run_to_completion
 from chainspec.engine.sampling import SamplingParams
 from chainspec.models.tokenizer import Tokenizer
+from chainspec.rpc.draft_codec import encode_draft_request, encode_draft_response
 from chainspec.rpc.draft_pool import GrpcDraftClient
 from chainspec.rpc.round_trace import RoundTrace
 
@@ -111,6 +118,15 @@ def capture(models, opts: LocalOptions, prompts, max_tokens: int) -> dict:
 # ------------------------------------------------------------------ drafter process
 
 
+async def _echo(requests, context):
+    """Answers each message with its first 4 bytes' count of bytes: a bare round trip."""
+    async for raw in requests:
+        yield raw[:int.from_bytes(raw[:4], "little")]
+
+ECHO_HANDLER = grpc.method_handlers_generic_handler(
+    "bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(_echo)})
+
+
 def drafter_process(conn, model_dir: str, k: int, max_seqs: int, max_len: int,
                     threads: int) -> None:
     """A drafter server with tracing on; answers "trace" and "stop" on `conn`."""
@@ -128,7 +144,11 @@ async def _serve(conn, model_dir: str, k: int, max_seqs: int, max_len: int) -> N
                                                 max_len=max_len))
     servicer = DrafterServicer(engine, "demo")
     servicer.trace = RoundTrace()
-    running = await start_server(ServerOptions(), servicer.register, [DRAFTER_SERVICE])
+
+    def register(server) -> None:
+        servicer.register(server)
+        server.add_generic_rpc_handlers((ECHO_HANDLER,))
+    running = await start_server(ServerOptions(), register, [DRAFTER_SERVICE])
     await servicer.warm_up()
     await running.set_serving(True)
     loop = asyncio.get_running_loop()
@@ -177,6 +197,36 @@ def replay(client: GrpcDraftClient, rounds, gap_s: float,
     client.release(sorted({u.seq_id for ups, _ in rounds for u in ups}))
     time.sleep(0.05)
     return out, mismatches
+
+
+def echo_floor(port: int, rounds, gap_s: float, idle: bool) -> float:
+    """Median round trip (ms) of bare messages of each round's request and reply sizes
+    through the same server shell and the pool's threading (queue -> grpc's send
+    thread, a reader thread, a wake-up): what any round pays before any codec."""
+    sizes = []
+    for updates, outcomes in rounds:
+        if any(u.want_drafts for u in updates):
+            req = encode_draft_request(DraftBatch(1, tuple(updates))).ByteSize()
+            resp = encode_draft_response(DraftReply(1, tuple(outcomes))).ByteSize()
+            sizes.append((req, resp))
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+    responses = channel.stream_stream("/bench.Echo/Echo")(iter(requests.get, None))
+    threading.Thread(target=lambda: [answers.put(time.monotonic_ns()) for _ in responses],
+                     daemon=True).start()
+    trips = []
+    for req, resp in sizes:
+        t0 = time.monotonic_ns()
+        requests.put(max(resp, 4).to_bytes(4, "little") + bytes(max(req - 4, 0)))
+        trips.append((answers.get() - t0) / 1e6)
+        if idle:
+            time.sleep(gap_s)
+        else:
+            busy(gap_s, torch.randn(64, 64) / 8)
+    requests.put(None)
+    channel.close()
+    return statistics.median(trips)
 
 
 def attach(marks_v, marks_d, rounds: list[dict]) -> list[dict]:
@@ -249,7 +299,9 @@ def breakdown(model: Path, batches, k: int = 3, max_tokens: int = 64, max_len: i
                 conn.send("trace")
                 rounds += attach(client.trace.drain(), conn.recv(), got)
                 mismatches += bad
-            rows.append({"batch": batch, "draft_mismatches": mismatches,
+            echo = statistics.median(echo_floor(port, captured["rounds"], gap_ms / 1e3,
+                                                idle_gap) for _ in range(repeats))
+            rows.append({"batch": batch, "draft_mismatches": mismatches, "echo_ms": echo,
                          **summarize(rounds, captured)})
             print(json.dumps(rows[-1], indent=1), flush=True)
     finally:
@@ -281,6 +333,7 @@ def table(runs: list[dict], labels: list[str]) -> str:
         lines.append(f"| {name} | " + " | ".join(f"{m['hops_ms'][name]:.3f}"
                                                 for _, m in cols) + " |")
     for key, name in [("round_trip_ms", "**round trip** (submit .. collect)"),
+                      ("echo_ms", "bare gRPC echo, same sizes and threads (floor)"),
                       ("engine_ms", "drafter engine (draft_time_s)"),
                       ("wire_ms", "**wire** = round trip - engine"),
                       ("est_grpc_round_ms", "est. gRPC round"),
@@ -293,8 +346,8 @@ def table(runs: list[dict], labels: list[str]) -> str:
 
 
 def _merge(rows: list[dict], base_ms: float) -> dict:
-    med = {k: statistics.median(r[k] for r in rows)
-           for k in ("round_trip_ms", "engine_ms", "wire_ms")}
+    med = {k: statistics.median(r.get(k, math.nan) for r in rows)
+           for k in ("round_trip_ms", "engine_ms", "wire_ms", "echo_ms")}
     med["hops_ms"] = {name: statistics.median(r["hops_ms"][name] for r in rows)
                       for name, _, _ in HOPS}
     med["est_grpc_round_ms"] = base_ms + med["round_trip_ms"]
