@@ -9,12 +9,13 @@ import threading
 import pytest
 import torch
 
-from chainspec.engine.draft_types import DraftResult, SeqUpdate
+from chainspec.engine.draft_types import DraftBatch, DraftResult, SeqUpdate
+from chainspec.rpc.draft_codec import encode_draft_request
 from chainspec.rpc.draft_pool import GrpcDraftClient
 from chainspec.rpc.drafter_service import DRAFTER_SERVICE, DrafterServicer
 from chainspec.rpc.round_trace import RoundTrace
 from chainspec.rpc.server import ServerOptions, start_server
-from tests.integration.grpc_helpers import LoopThread, drafter_engine
+from tests.integration.grpc_helpers import DraftStream, LoopThread, drafter_engine
 from tests.unit.engine_fixtures import tied_pair
 
 pytestmark = pytest.mark.timeout(60)
@@ -110,3 +111,31 @@ def test_engine_is_touched_on_the_loop_thread_only(served) -> None:
     for c in clients:
         c.close()  # the streams' cleanup releases on the loop too
     assert spy.threads == {loop.thread.ident}
+
+
+def test_a_stream_waits_for_warm_up() -> None:
+    """Warm-up runs off the loop (health answers meanwhile); a stream opened before it
+    ends is answered only after it, so the engine never runs two rounds at once."""
+    loop = LoopThread()
+    target, draft = tied_pair()
+    engine = drafter_engine(draft, k=K)
+    servicer = DrafterServicer(engine, "tiny")
+    spy = ThreadSpy(engine)
+    running = loop.run(start_server(ServerOptions(), servicer.register, [DRAFTER_SERVICE]))
+    stream = DraftStream(running.address)
+    try:
+        H = target.config.hidden_size
+        request = encode_draft_request(DraftBatch(1, (_update(1, 0, 3, H),)))
+        answer = threading.Thread(target=lambda: got.append(stream.ask(request)))
+        got: list = []
+        answer.start()
+        answer.join(0.5)
+        assert got == [] and spy.threads == set()  # not answered before warm-up
+        loop.run(servicer.warm_up())
+        answer.join(10)
+        assert got and got[0].results[0].WhichOneof("outcome") == "drafts"
+        assert loop.thread.ident in spy.threads
+    finally:
+        stream.close()
+        loop.run(running.stop(0))
+        loop.close()
