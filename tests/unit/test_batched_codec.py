@@ -143,6 +143,20 @@ def test_request_with_a_bad_row_fails_that_update_alone(wire) -> None:
     assert torch.allclose(back.updates[1].hidden, batch.updates[2].hidden, atol=0.05)
 
 
+def test_scales_are_counted_per_update_not_per_batch() -> None:
+    """One update one scale short, the next one scale over: the batch's total matches,
+    yet both must fail, each naming its own field."""
+    batch = _batch([3, 2])
+    msg = dc.encode_draft_request(batch, codec.WireDType.INT8)
+    a, b = msg.updates[0].hidden, msg.updates[1].hidden
+    a.scales, b.scales = a.scales[:8], b.scales + a.scales[8:]
+    back, failures = dc.decode_draft_request(_wire(msg), LIMITS)
+    assert back.updates == ()
+    assert [f.seq_id for f in failures] == [10, 11]
+    assert "updates[0].hidden.scales: 3 rows need 12 bytes" in failures[0].message
+    assert "updates[1].hidden.scales: 2 rows need 8 bytes" in failures[1].message
+
+
 def _results():
     g = torch.Generator().manual_seed(1)
     probs = torch.softmax(torch.randn(K, 4, generator=g), dim=1)

@@ -192,7 +192,10 @@ def _packed_hidden_rows(checked, cols: int) -> list[torch.Tensor] | None:
     wire = checked[0][3]
     if any(c[3] is not wire for c in checked):
         return None
-    scales = [c[1].hidden.scales for c in checked] if wire.quantized else ()
+    scales = [c[1].hidden.scales for c in checked] if wire.quantized else []
+    # NOTE: counted per update: one's shortfall and another's surplus would add up
+    if scales and any(len(sc) != 4 * len(c[2]) for sc, c in zip(scales, checked, strict=True)):
+        return None
     return packed_rows(wire, cols, [c[4] for c in checked], [len(c[2]) for c in checked],
                        scales)  # [n, H] each
 
