@@ -21,16 +21,12 @@ called from the verifier engine's thread; one reader thread per stream deposits 
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
-import queue
 import random
 import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -50,87 +46,23 @@ from chainspec.rpc.draft_codec import (
     encode_draft_request,
     stream_metadata,
 )
+from chainspec.rpc.draft_link import (
+    CLOSE,
+    DrafterMatch,
+    DraftPoolStats,
+    Link,
+    LinkState,
+    PoolObserver,
+)
 from chainspec.rpc.generated.v1 import drafter_pb2 as pb
 from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
 from chainspec.rpc.round_trace import RoundTrace
 
 log = logging.getLogger(__name__)
 DRAFTER_SERVICE = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
-_CLOSE = object()  # ends a stream's request iterator (half-close)
 RECONNECT_BASE_S = 0.1  # first reconnect delay; doubles per failed try up to the max
 RECONNECT_MAX_S = 5.0
 STABLE_LINK_S = 5.0  # a stream that lived this long resets the backoff
-
-
-@dataclass(frozen=True)
-class DrafterMatch:
-    """What a drafter must report in Info to be used (None: not checked)."""
-
-    num_draft_tokens: int | None = None
-    hidden_size: int | None = None
-    vocab_size: int | None = None
-    weights_fingerprint: str | None = None
-
-    def mismatch(self, info: pb.DrafterInfo) -> str | None:
-        for name in ("num_draft_tokens", "hidden_size", "vocab_size", "weights_fingerprint"):
-            want, got = getattr(self, name), getattr(info, name)
-            if want is not None and want != got:
-                return f"{name} is {got!r}, expected {want!r}"
-        return None
-
-
-@dataclass
-class DraftPoolStats:
-    """Counters for metrics (bytes are protobuf payload sizes)."""
-
-    rounds: int = 0  # collect() calls that had batches to wait for
-    wait_s_total: float = 0.0  # time collect() spent waiting for drafts
-    last_wait_s: float = 0.0
-    batches_sent: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    late_batches: int = 0  # answered after their round deadline
-    local_failures: int = 0  # updates the pool answered itself (no usable drafter)
-    stream_failures: int = 0  # drafter streams that broke
-    reassignments: int = 0  # sequences given to a drafter again after losing theirs
-    reconnects: int = 0  # links to a wanted drafter opened again after a failure
-
-
-class PoolObserver(Protocol):
-    def round_trip(self, seconds: float) -> None:
-        """A Draft batch was answered `seconds` after it was sent (reader thread)."""
-
-
-class LinkState(enum.StrEnum):
-    LIVE = "live"  # takes new sequences
-    DRAINING = "draining"  # answered UNAVAILABLE: its sequences move, no new ones
-    RETIRED = "retired"  # removed by set_endpoints
-    DEAD = "dead"  # stream broke or never connected; retried while wanted
-    CONNECTING = "connecting"  # wanted, first connection under way (reported only)
-
-
-@dataclass(eq=False)
-class _Link:
-    """One drafter endpoint: its stream, the sequences assigned to it, batches in flight."""
-
-    endpoint: str
-    state: LinkState = LinkState.DEAD
-    channel: grpc.Channel | None = None
-    limits: DraftLimits | None = None
-    capacity: int = 0
-    requests: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    seqs: set[int] = field(default_factory=set)
-    pending_releases: list[int] = field(default_factory=list)
-    outstanding: dict[int, tuple[float, frozenset[int]]] = field(default_factory=dict)
-    open: bool = False  # the stream may still answer
-    half_closed: bool = False
-    failures: int = 0  # failed connects (or short-lived streams) before this link
-    opened_s: float = 0.0  # time.monotonic() when the stream opened
-
-    def half_close(self) -> None:
-        if not self.half_closed:
-            self.half_closed = True
-            self.requests.put(_CLOSE)
 
 
 class GrpcDraftClient:
@@ -158,9 +90,9 @@ class GrpcDraftClient:
         self._cond = threading.Condition()  # guards everything below
         self._wanted: set[str] = set()
         self._connecting: set[str] = set()
-        self._links: dict[str, _Link] = {}  # current endpoints that were tried
-        self._open: set[_Link] = set()  # links whose stream may still answer
-        self._owner: dict[int, _Link] = {}
+        self._links: dict[str, Link] = {}  # current endpoints that were tried
+        self._open: set[Link] = set()  # links whose stream may still answer
+        self._owner: dict[int, Link] = {}
         self._homeless: set[int] = set()  # found no drafter at their last start = 0
         self._lost: set[int] = set()  # lost their drafter; the next one is a reassignment
         self._ready: dict[int, SeqOutcome] = {}
@@ -249,9 +181,9 @@ class GrpcDraftClient:
         with self._cond:
             return len(self._wanted)
 
-    def _connect(self, endpoint: str) -> _Link:
+    def _connect(self, endpoint: str) -> Link:
         """Health SERVING, Info matching, then the stream and its reader thread."""
-        link = _Link(endpoint)
+        link = Link(endpoint)
         link.channel = make_channel(endpoint, self.opts)
         try:
             health = health_pb2_grpc.HealthStub(link.channel).Check(
@@ -274,7 +206,7 @@ class GrpcDraftClient:
         link.state, link.open = LinkState.LIVE, True
         link.opened_s = time.monotonic()
         # NOTE: declares what routing lets it hold (see _route); beyond that, refused
-        requests = iter(link.requests.get, _CLOSE)
+        requests = iter(link.requests.get, CLOSE)
         if self.trace is not None:
             requests = _traced(requests, self.trace)
         responses = stub.Draft(requests,
@@ -283,7 +215,7 @@ class GrpcDraftClient:
                          name=f"draft-pool-{endpoint}").start()
         return link
 
-    def _retire(self, link: _Link) -> None:
+    def _retire(self, link: Link) -> None:
         """Stop using `link`; answers in flight still count, its sequences move later."""
         if link.state is not LinkState.DEAD:
             link.state = LinkState.RETIRED
@@ -292,7 +224,7 @@ class GrpcDraftClient:
     # -- DraftClient --------------------------------------------------------------------
     def submit(self, updates: Sequence[SeqUpdate]) -> None:
         with self._cond:
-            batches: dict[_Link, list[SeqUpdate]] = {}
+            batches: dict[Link, list[SeqUpdate]] = {}
             for u in updates:
                 link = self._route(u)
                 if link is not None:
@@ -345,7 +277,7 @@ class GrpcDraftClient:
             self._shutdown_link(link)
 
     # -- routing and sending (lock held) ----------------------------------------------
-    def _route(self, u: SeqUpdate) -> _Link | None:
+    def _route(self, u: SeqUpdate) -> Link | None:
         owner = self._owner.get(u.seq_id)
         if owner is not None and owner.state is LinkState.LIVE:
             return owner
@@ -381,14 +313,14 @@ class GrpcDraftClient:
         self.stats.local_failures += 1
         return None
 
-    def _unassign(self, link: _Link, seq_id: int, tell_drafter: bool) -> None:
+    def _unassign(self, link: Link, seq_id: int, tell_drafter: bool) -> None:
         link.seqs.discard(seq_id)
         if tell_drafter and link.open and not link.half_closed:
             link.pending_releases.append(seq_id)
         if link.state is LinkState.DRAINING and not link.seqs and not link.outstanding:
             link.half_close()  # lets the drafter finish its drain early
 
-    def _send(self, link: _Link, updates: Sequence[SeqUpdate]) -> None:
+    def _send(self, link: Link, updates: Sequence[SeqUpdate]) -> None:
         batch_id = next(self._batch_ids)
         if self.trace is not None:
             self.trace.mark(batch_id, "v_send")
@@ -409,7 +341,7 @@ class GrpcDraftClient:
                 self._send(link, ())
 
     # -- answers (reader threads) -----------------------------------------------------
-    def _read(self, link: _Link, responses) -> None:
+    def _read(self, link: Link, responses) -> None:
         error: grpc.RpcError | None = None
         try:
             for msg in responses:
@@ -430,7 +362,7 @@ class GrpcDraftClient:
             self._cond.notify_all()
         link.channel.close()
 
-    def _on_reply(self, link: _Link, batch_id: int, results: Sequence[SeqOutcome]) -> None:
+    def _on_reply(self, link: Link, batch_id: int, results: Sequence[SeqOutcome]) -> None:
         sent = link.outstanding.pop(batch_id, None)
         now = time.perf_counter()
         if sent is not None and now > sent[0] + self.round_deadline_s:
@@ -457,7 +389,7 @@ class GrpcDraftClient:
         if link.state is LinkState.DRAINING and not link.seqs and not link.outstanding:
             link.half_close()
 
-    def _on_stream_end(self, link: _Link, error: grpc.RpcError | None) -> None:
+    def _on_stream_end(self, link: Link, error: grpc.RpcError | None) -> None:
         link.open = False
         self._open.discard(link)
         broken = not link.half_closed or error is not None
@@ -483,7 +415,7 @@ class GrpcDraftClient:
             lived = time.monotonic() - link.opened_s
             self._retry_later(link.endpoint, 1 if lived >= STABLE_LINK_S else link.failures + 1)
 
-    def _shutdown_link(self, link: _Link) -> None:
+    def _shutdown_link(self, link: Link) -> None:
         link.half_close()
         if link.channel is not None:
             link.channel.close()
