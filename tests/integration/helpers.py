@@ -73,6 +73,35 @@ class Process:
         assert self.proc.poll() is None, self.output()
 
 
+def start_serve(model_dir: Path, namespace: str, *extra: str) -> Process:
+    """`chainspec serve` on the session's Ray in `namespace` with a free HTTP port (`.url`),
+    once it says it serves."""
+    import os
+    import socket
+    import sys
+
+    import ray
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    served = Process([sys.executable, "-m", "chainspec.cli", "serve", "--model", str(model_dir),
+                      "--address", ray.get_runtime_context().gcs_address,
+                      "--namespace", namespace, "--port", str(port), "--max-len", "256",
+                      "--timeout", "240", *extra], dict(os.environ))
+    served.url = f"http://127.0.0.1:{port}"
+    served.wait_for("Ctrl-C stops it.", 240)
+    return served
+
+
+def cli(namespace: str, *args: str) -> subprocess.CompletedProcess:
+    """`chainspec <args> --namespace <namespace>` in a fresh process."""
+    import os
+    import sys
+    return subprocess.run([sys.executable, "-m", "chainspec.cli", *args,
+                           "--namespace", namespace], capture_output=True, text=True,
+                          timeout=180, env=os.environ)
+
+
 @dataclass
 class Generated:
     tokens: list[int]

@@ -10,9 +10,6 @@ to plain. Tests run in file order."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -21,12 +18,12 @@ import ray
 from chainspec.cluster import stack
 from chainspec.cluster.config import StackConfig
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
-from tests.integration.grpc_helpers import free_port
 from tests.integration.helpers import (
-    Process,
+    cli,
     generate,
     plain_outputs,
     prompt_ids,
+    start_serve,
     verifier_stub,
     wait_for,
 )
@@ -37,20 +34,10 @@ NS_GROUPS = "chainspec-groups-test"
 TOKENS = 32
 
 
-def cli(ns: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "chainspec.cli", *args, "--namespace", ns],
-                          capture_output=True, text=True, timeout=180, env=os.environ)
-
-
 @pytest.fixture(scope="module")
 def served(ray_cluster, model_dir):
-    port = free_port()
-    s = Process([sys.executable, "-m", "chainspec.cli", "serve", "--model", str(model_dir),
-                 "--address", ray.get_runtime_context().gcs_address, "--namespace", NS_LOCAL,
-                 "--port", str(port), "--max-len", "256", "--max-seqs", "8",
-                 "--drafter-mode", "local", "--pipeline-groups", "2", "--timeout", "240"],
-                os.environ)
-    s.wait_for("Ctrl-C stops it.", 240)
+    s = start_serve(model_dir, NS_LOCAL, "--max-seqs", "8", "--drafter-mode", "local",
+                    "--pipeline-groups", "2")
     yield s
     s.proc.terminate()
     s.proc.wait(60)

@@ -7,10 +7,8 @@ order; the last one stops the stack from another process."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
-import sys
 import time
 
 import httpx
@@ -18,8 +16,9 @@ import openai
 import pytest
 
 from chainspec.models.tokenizer import Tokenizer
-from tests.integration.grpc_helpers import free_port, wait_until
-from tests.integration.helpers import Process, plain_outputs, prompt_ids
+from tests.integration import helpers
+from tests.integration.grpc_helpers import wait_until
+from tests.integration.helpers import plain_outputs, prompt_ids, start_serve
 
 pytestmark = pytest.mark.timeout(300)
 NS = "chainspec-serve-test"
@@ -27,19 +26,12 @@ TOKENS = 24
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "chainspec.cli", *args, "--namespace", NS],
-                          capture_output=True, text=True, timeout=180, env=os.environ)
+    return helpers.cli(NS, *args)
 
 
 @pytest.fixture(scope="module")
 def served(ray_cluster, model_dir):
-    import ray
-    port = free_port()
-    s = Process([sys.executable, "-m", "chainspec.cli", "serve", "--model", str(model_dir),
-                 "--address", ray.get_runtime_context().gcs_address, "--namespace", NS,
-                 "--port", str(port), "--max-len", "256", "--timeout", "240"], os.environ)
-    s.url = f"http://127.0.0.1:{port}"
-    s.wait_for("Ctrl-C stops it.", 240)
+    s = start_serve(model_dir, NS)
     yield s
     if s.proc.poll() is None:
         s.proc.terminate()

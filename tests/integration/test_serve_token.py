@@ -17,8 +17,7 @@ import pytest
 from chainspec.models.tokenizer import Tokenizer
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 from chainspec.rpc.generated.v1 import verifier_pb2_grpc as pb_grpc
-from tests.integration.grpc_helpers import free_port
-from tests.integration.helpers import Process, plain_outputs, prompt_ids
+from tests.integration.helpers import plain_outputs, prompt_ids, start_serve
 
 pytestmark = pytest.mark.timeout(300)
 NS = "chainspec-serve-token-test"
@@ -31,14 +30,8 @@ def served(ray_cluster, model_dir, tmp_path_factory):
     secrets = tmp_path_factory.mktemp("secrets")
     (secrets / "token").write_text(TOKEN + "\n")
     (secrets / "key").write_text(API_KEY + "\n")
-    port = free_port()
-    s = Process([sys.executable, "-m", "chainspec.cli", "serve", "--model", str(model_dir),
-                 "--address", ray.get_runtime_context().gcs_address, "--namespace", NS,
-                 "--port", str(port), "--max-len", "256", "--timeout", "240",
-                 "--token-file", str(secrets / "token"),
-                 "--api-key-file", str(secrets / "key")], os.environ)
-    s.url = f"http://127.0.0.1:{port}"
-    s.wait_for("Ctrl-C stops it.", 240)
+    s = start_serve(model_dir, NS, "--token-file", str(secrets / "token"),
+                    "--api-key-file", str(secrets / "key"))
     yield s
     s.proc.terminate()
     s.proc.wait(60)
