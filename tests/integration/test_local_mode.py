@@ -10,6 +10,8 @@ to plain. Tests run in file order."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 
 import pytest
@@ -32,6 +34,7 @@ pytestmark = pytest.mark.timeout(300)
 NS_LOCAL = "chainspec-local-mode-test"
 NS_GROUPS = "chainspec-groups-test"
 TOKENS = 32
+LONG = 96  # tokens per stream in the SIGKILL test: the kill lands mid-run
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +149,38 @@ def test_remote_pipeline_groups_reach_the_engine_and_stay_lossless(remote_groups
     got = concurrently(v["endpoint"], prompts)
     assert [g.tokens for g in got] == plain
     assert sum(g.finished.stats.accepted_tokens for g in got) > 0
+
+
+def test_drafter_sigkill_during_pipelined_rounds_loses_nothing(remote_groups, model_dir
+                                                               ) -> None:
+    """16 concurrent streams through a verifier running two pipelined groups; its only
+    drafter is SIGKILLed mid-run: every stream finishes with plain's output, and once Ray
+    has restarted the drafter the verifier speculates again."""
+    many = prompt_ids(model_dir, 16)
+    want = plain_outputs(model_dir, many, LONG)
+    v = verifier(NS_GROUPS)
+    [victim] = [m for m in stack.status(namespace=NS_GROUPS) if m["role"] == "drafter"]
+    channel, stub = verifier_stub(v["endpoint"])
+    results: list = [None] * len(many)
+
+    def work(i: int) -> None:
+        try:
+            results[i] = generate(stub, many[i], LONG)
+        except Exception as e:  # reported by the equality check below
+            results[i] = e
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(many))]
+    for t in threads:
+        t.start()
+    wait_for(lambda: stub.Info(pb.VerifierInfoRequest()).running >= 8, 60, "8 running")
+    os.kill(victim["pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(180)
+    channel.close()
+    assert [getattr(r, "tokens", r) for r in results] == want
+    assert any(r.finished.stats.fallback_rounds > 0 for r in results)  # the kill hit them
+    back = wait_for(lambda: [m for m in stack.status(namespace=NS_GROUPS)
+                             if m["role"] == "drafter" and m["state"] == "ready"
+                             and m["pid"] != victim["pid"]], 120, "the drafter restarted")
+    assert back
+    wait_for(lambda: concurrently(v["endpoint"], many[:2])[0].finished.stats.accepted_tokens
+             > 0, 60, "speculation back after the restart")
