@@ -42,3 +42,20 @@ def test_verifier_process_with_a_drafter_process(model_dir) -> None:
             if proc is not None:
                 proc.kill()
                 proc.wait(10)
+
+
+def test_verifier_process_with_its_drafter_in_process(model_dir) -> None:
+    """`--drafter-mode local`: no drafter service, drafts from the MTP modules in the
+    verifier's own process, output equal to plain."""
+    verifier, address = start("verifier", "--model", str(model_dir), "-k", "3",
+                              "--max-len", "256", "--drafter-mode", "local")
+    try:
+        channel, stub = verifier_stub(address)
+        prompts = prompt_ids(model_dir, 2)
+        got = [generate(stub, p, 24) for p in prompts]
+        channel.close()
+        assert [g.tokens for g in got] == plain_outputs(model_dir, prompts, 24)
+        assert sum(g.finished.stats.accepted_tokens for g in got) > 0
+    finally:
+        verifier.kill()
+        verifier.wait(10)

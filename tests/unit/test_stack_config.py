@@ -206,6 +206,11 @@ def test_verifier_dry_run(capsys, tmp_path) -> None:
     assert out["verifier"]["groups"] == 1
     assert dry_run(capsys, "verifier", "--pipeline-groups", "2")["verifier"]["groups"] == 2
     assert main(["verifier", "--pipeline-groups", "0", "--dry-run"]) == 2
+    assert out["verifier"]["drafter"] == "remote"
+    assert dry_run(capsys, "verifier", "--drafter-mode", "local")["verifier"]["drafter"] \
+        == "local"
+    # a local drafter takes no drafter endpoints (refused before loading anything)
+    assert main(["verifier", "--drafter-mode", "local", "--drafter", "d:1", "--dry-run"]) == 2
 
 
 def test_custom_resource_only_when_the_cluster_declares_it() -> None:

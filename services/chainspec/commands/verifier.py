@@ -21,6 +21,7 @@ from chainspec.commands.server_args import (
     serve_until_signal,
     server_options,
 )
+from chainspec.engine.local import DrafterMode
 from chainspec.metrics.verifier import VerifierMetrics
 from chainspec.rpc.channel import ClientOptions
 from chainspec.rpc.server import ServerOptions
@@ -55,6 +56,10 @@ def add_parser(sub) -> list[str]:
                    default=VerifierOptions.default_max_tokens)
     p.add_argument("--draft-deadline", type=float, default=VerifierOptions.draft_deadline_s,
                    help="seconds a round waits for drafts before decoding plainly")
+    p.add_argument("--drafter-mode", choices=[m.value for m in DrafterMode],
+                   default=VerifierOptions.drafter.value,
+                   help="remote: draft through --drafter services; local: run the MTP "
+                        "modules in this process (no drafter service, no wire)")
     p.add_argument("--pipeline-groups", type=int, default=VerifierOptions.groups,
                    help="groups of running sequences taking turns, so one group's drafts "
                         "are computed while another is verified (default 1: off)")
@@ -73,8 +78,11 @@ def resolve(args: argparse.Namespace) -> VerifierCommand:
         host, _, port = ep.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--drafter {ep!r}: expected HOST:PORT")
+    if args.drafter and args.drafter_mode == DrafterMode.LOCAL:
+        raise ValueError("--drafter-mode local drafts in this process: it takes no --drafter")
     verifier = VerifierOptions(local_options(args), args.model_name, args.max_waiting,
                                args.default_max_tokens, args.draft_deadline,
+                               drafter=DrafterMode(args.drafter_mode),
                                groups=args.pipeline_groups)
     server = server_options(args)
     client = ClientOptions(tls_ca=args.drafter_tls_ca, tls_cert=args.drafter_tls_cert,
