@@ -205,3 +205,22 @@ def test_queue_full_then_draining(model_dir, loop_thread) -> None:
     finally:
         channel.close()
         loop_thread.run(verifier.stop())
+
+
+def test_context_never_passes_the_models_positions(model_dir, loop_thread) -> None:
+    """Slots longer than the model's max_position_embeddings (512 here): Info reports the
+    model's context, not the slots' (it said 1020 for the 512-position demo model), and a
+    request asking for more is clamped there (finish LENGTH), every position < 512."""
+    opts = VerifierOptions(LocalOptions(model_dir=model_dir, num_steps=K, max_seqs=1,
+                                        max_len=1024))
+    verifier = loop_thread.run(serve_verifier(opts, ServerOptions()))
+    channel, stub = verifier_stub(verifier.address)
+    try:
+        assert stub.Info(pb.VerifierInfoRequest()).max_model_len == 512 - 1 - K
+        prompt = [5] * 400
+        got = generate(stub, prompt, max_tokens=500)
+        assert len(prompt) + len(got.tokens) == 512 - 1 - K
+        assert got.finished.reason == pb.FINISH_REASON_LENGTH
+    finally:
+        channel.close()
+        loop_thread.run(verifier.stop())
