@@ -116,6 +116,9 @@ class StackConfig:
     tls_server_name: str | None = None
     health_interval_s: float = 1.0
     health_timeout_s: float = 5.0  # a member that does not answer a ping in time is dead
+    # a starting member cannot answer pings while it imports and loads; silent this long,
+    # it is dead (hung, or re-adopted after a controller restart but gone quiet)
+    start_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0  # longest wait for a draining member's load to reach 0
     draft_deadline_s: float = 0.05
     max_waiting: int = 64
@@ -132,7 +135,7 @@ class StackConfig:
             object.__setattr__(self, "drafter", DrafterRoleConfig(
                 **dataclasses.asdict(self.drafter)))
         if min(self.health_interval_s, self.health_timeout_s, self.drain_timeout_s,
-               self.draft_deadline_s) <= 0:
+               self.draft_deadline_s, self.start_timeout_s) <= 0:
             raise ValueError("health, drain and draft timings must be > 0")
         if not self.namespace or not self.host:
             raise ValueError("namespace and host must not be empty")

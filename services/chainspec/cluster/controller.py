@@ -245,16 +245,23 @@ class Controller:
     async def _monitor(self, member: Member) -> None:
         """Ping the member every health interval; no answer in time marks it dead."""
         handle = self._handles[member.member_id]
+        answered = time.monotonic()
         while member.member_id in self._members:
             try:
                 info = await asyncio.wait_for(handle.ping.remote(), self.config.health_timeout_s)
-                changed = member.observe(info)
+                changed, answered = member.observe(info), time.monotonic()
             except Exception as e:  # RayActorError, timeout: crashed, restarting, hung
-                # NOTE: a starting actor cannot answer before its imports are done
-                changed = member.state is MemberState.READY
+                # NOTE: a starting actor cannot answer before its imports are done, so it is
+                # given start_timeout_s before its silence counts
+                silent = time.monotonic() - answered
+                changed = member.state is MemberState.READY or (
+                    member.state is MemberState.STARTING
+                    and silent > self.config.start_timeout_s)
                 if changed:
+                    member.error = f"missed a health check: {type(e).__name__}: {e}" \
+                        if member.state is MemberState.READY else \
+                        f"no answer for {silent:.0f} s while starting"
                     member.state = MemberState.DEAD
-                    member.error = f"missed a health check: {type(e).__name__}: {e}"
             if changed:
                 self._bump()
             await asyncio.sleep(self.config.health_interval_s)
