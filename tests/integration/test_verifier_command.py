@@ -22,18 +22,23 @@ def start(*argv: str) -> tuple[subprocess.Popen, str]:
     return proc, line.split()[2]
 
 
+def assert_serves_speculatively(address: str, model_dir) -> None:
+    """Greedy output over gRPC equals plain decoding, with drafts accepted."""
+    channel, stub = verifier_stub(address)
+    prompts = prompt_ids(model_dir, 2)
+    got = [generate(stub, p, 24) for p in prompts]
+    channel.close()
+    assert [g.tokens for g in got] == plain_outputs(model_dir, prompts, 24)
+    assert sum(g.finished.stats.accepted_tokens for g in got) > 0
+
+
 def test_verifier_process_with_a_drafter_process(model_dir) -> None:
     common = ["--model", str(model_dir), "-k", "3", "--max-len", "256"]
     drafter, drafter_address = start("drafter", *common)
     verifier = None
     try:
         verifier, address = start("verifier", *common, "--drafter", drafter_address)
-        channel, stub = verifier_stub(address)
-        prompts = prompt_ids(model_dir, 2)
-        got = [generate(stub, p, 24) for p in prompts]
-        channel.close()
-        assert [g.tokens for g in got] == plain_outputs(model_dir, prompts, 24)
-        assert sum(g.finished.stats.accepted_tokens for g in got) > 0
+        assert_serves_speculatively(address, model_dir)
         verifier.send_signal(signal.SIGTERM)
         assert verifier.wait(30) == 0
         assert "verifier draining" in verifier.stdout.read()
@@ -50,12 +55,7 @@ def test_verifier_process_with_its_drafter_in_process(model_dir) -> None:
     verifier, address = start("verifier", "--model", str(model_dir), "-k", "3",
                               "--max-len", "256", "--drafter-mode", "local")
     try:
-        channel, stub = verifier_stub(address)
-        prompts = prompt_ids(model_dir, 2)
-        got = [generate(stub, p, 24) for p in prompts]
-        channel.close()
-        assert [g.tokens for g in got] == plain_outputs(model_dir, prompts, 24)
-        assert sum(g.finished.stats.accepted_tokens for g in got) > 0
+        assert_serves_speculatively(address, model_dir)
     finally:
         verifier.kill()
         verifier.wait(10)
