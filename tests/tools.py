@@ -1,8 +1,8 @@
-"""Finding the external tools tests drive: Helm 3 (on PATH or in ./.tools/bin, see
-`make tools`), the kubernetes-validate package and the upstream CRD schemas vendored in
-tests/helm/crds for the chart tests. A missing one skips the test with the reason, or
-fails it under CHAINSPEC_REQUIRE_TOOLS=1 (CI), so a CI run can never pass by skipping
-everything."""
+"""Finding what the tests drive: Helm 3 (on PATH or in ./.tools/bin, see `make tools`),
+the kubernetes-validate package, promtool and Prometheus. A missing tool skips the test
+with the reason, or fails it under CHAINSPEC_REQUIRE_TOOLS=1 (set by .ci/run), so a CI run
+can never pass by skipping. The upstream CRD schemas are vendored in tests/helm/crds: a
+missing one is a broken checkout and always fails."""
 
 from __future__ import annotations
 
