@@ -1,0 +1,60 @@
+"""Every Triton kernel compiles ahead of time to sm_80 and sm_90 cubin with Triton's own
+compiler (no GPU needed) and fits the target: a non-empty cubin, shared memory within the
+per-block limit, at most 255 registers per thread and no spills.
+
+Kernel authors: add one `AotCase` per representative variant to CASES (the kernel named as
+"module:attribute" so this file imports without triton); each runs on both targets.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tests.unit.kernels.support import require_triton
+
+CAPABILITIES = (80, 90)
+
+
+@dataclass(frozen=True)
+class AotCase:
+    """One kernel variant: runtime argument types and constexpr values, as at a launch."""
+
+    name: str  # test id
+    kernel: str  # "chainspec.kernels.module:kernel_attr"
+    signature: dict[str, str]  # runtime args: {"x": "*fp16", "n": "i32"}
+    constexprs: dict[str, Any] = field(default_factory=dict)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def load(self) -> Any:
+        module, attr = self.kernel.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+CASES: list[AotCase] = []
+
+
+@pytest.mark.parametrize("cap", CAPABILITIES, ids=lambda c: f"sm{c}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_kernel_compiles_within_target_limits(case: AotCase, cap: int) -> None:
+    require_triton()
+    from chainspec.kernels.triton_support import aot_compile
+
+    result = aot_compile(case.load(), case.signature, case.constexprs, cap,
+                         num_warps=case.num_warps, num_stages=case.num_stages)
+    assert result.num_warps == case.num_warps
+    assert result.registers is not None, "cuobjdump could not read the cubin's registers"
+    assert result.problems() == [], f"{case.name} on sm_{cap}: {result.problems()}"
+
+
+def test_limits_are_reported() -> None:
+    from chainspec.kernels.triton_support import AotResult
+
+    fits = AotResult("k", 80, b"\x7fELF", 163 * 1024, 4, 255, 0)
+    assert fits.problems() == []
+    assert len(AotResult("k", 80, b"", 163 * 1024 + 1, 4, 256, 8).problems()) == 4
+    assert AotResult("k", 90, b"x", 200 * 1024, 4, None, None).problems() == []
