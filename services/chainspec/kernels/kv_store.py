@@ -1,0 +1,90 @@
+"""KV store: write this step's keys/values into a paged cache by slot mapping.
+
+Cache layout per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`; slot
+`block * block_size + offset`. Padding rows carry slot -1 and write nowhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from chainspec.kernels.triton_support import launcher, triton_available, use_kernel
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k, v `[T, Hkv, D]` into k_cache, v_cache `[blocks, block_size, Hkv, D]` at
+    `slot_mapping` `[T]` (int64, -1 = padding row), in place, cast to the cache dtype.
+    The Triton kernel on CUDA tensors, the torch reference elsewhere."""
+    _check(k, v, k_cache, v_cache, slot_mapping)
+    if use_kernel(k):
+        _store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+
+
+def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Torch reference (the CPU path). NOTE: boolean indexing syncs; CPU only."""
+    valid = slot_mapping >= 0  # [T]
+    slots = slot_mapping[valid]  # [n]
+    for src, cache in ((k, k_cache), (v, v_cache)):
+        flat = cache.view(-1, *cache.shape[2:])  # [blocks * block_size, Hkv, D]
+        flat[slots] = src[valid].to(cache.dtype)
+
+
+def _check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           slot_mapping: torch.Tensor) -> None:
+    if k.shape != v.shape or k.dim() != 3 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, caches "
+                         f"{tuple(k_cache.shape)}/{tuple(v_cache.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:]:
+        raise ValueError(f"store_kv: cache {tuple(k_cache.shape)} does not hold rows "
+                         f"{tuple(k.shape[1:])}")
+    if slot_mapping.shape != k.shape[:1]:
+        raise ValueError(f"store_kv: slot_mapping {tuple(slot_mapping.shape)} for "
+                         f"{k.shape[0]} rows")
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                         stride_kt, stride_kh, stride_vt, stride_vh,
+                         stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                         num_heads, BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr):
+        """One program per row: copy its [Hkv, D] keys and values to its slot."""
+        t = tl.program_id(0)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            h = tl.arange(0, HEADS)[:, None]  # [HEADS, 1]
+            d = tl.arange(0, HEAD_DIM)[None, :]  # [1, D]
+            m = h < num_heads
+            key = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=m)
+            val = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=m)
+            kc = kc_ptr + blk * stride_kcb + off * stride_kcs + h * stride_kch + d
+            vc = vc_ptr + blk * stride_vcb + off * stride_vcs + h * stride_vch + d
+            tl.store(kc, key.to(kc_ptr.dtype.element_ty), mask=m)
+            tl.store(vc, val.to(vc_ptr.dtype.element_ty), mask=m)
+
+
+def _store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    t, heads, dim = k.shape
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("store_kv: the head dimension must be contiguous")
+    if dim & (dim - 1):
+        raise ValueError(f"store_kv: head_dim {dim} is not a power of two")
+    if t == 0:
+        return
+    launcher(_store_kv_kernel, k)[(t,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        heads, BLOCK_SIZE=k_cache.shape[1], HEADS=triton.next_power_of_2(heads), HEAD_DIM=dim)
