@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chainspec.kernels.triton_support import use_kernel
+from chainspec.kernels.triton_support import (
+    interpreted_bf16_dot,
+    launcher,
+    triton_available,
+    use_kernel,
+)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -25,8 +30,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     tensors, the torch reference elsewhere.
     """
     _check(q, k_cache, v_cache, block_tables, row_seq, positions)
-    if use_kernel(q) and False:  # the Triton kernel lands in the next commit
-        pass
+    if use_kernel(q):
+        return _paged_attention_triton(q, k_cache, v_cache, block_tables, row_seq, positions,
+                                       scale)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, row_seq, positions,
                                      scale)
 
@@ -82,3 +88,139 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"{tuple(positions.shape)} for {q.shape[0]} rows")
     if block_tables.dim() != 2:
         raise ValueError(f"paged_attention: block_tables {tuple(block_tables.shape)}")
+
+
+# ---------------------------------------------------------------------------------------
+# Triton kernel: one program per (tile of one sequence's rows x kv head). The tile's M
+# dimension packs BLOCK_Q rows x the G query heads of one kv head (GQA), so tl.dot has
+# M >= 16 even for decode rows; keys come TILE_N positions at a time through the block
+# table, up to the largest position in the tile; online softmax, fp32 accumulators.
+
+TILE_N = 32  # key positions per inner step (any block_size: a tile spans or splits blocks)
+
+
+def _plan(row_seq: torch.Tensor, num_seqs: int, block_q: int) -> tuple[torch.Tensor, ...]:
+    """Host-side prep, vectorised on the rows' device (no sync, graph-capturable): group
+    rows by sequence and give each program its (sequence, first row within it).
+
+    Returns order [T] (packed rows, sequence-major), seq_start [S], seq_count [S],
+    tile_seq [P], tile_first [P] with P = ceil(T / block_q) + min(S, T), an upper bound on
+    the tiles; programs past the real tiles get tile_first >= seq_count and exit.
+    """
+    t = row_seq.shape[0]
+    key = torch.where(row_seq >= 0, row_seq.long(), num_seqs)  # [T], padding last
+    order = torch.argsort(key, stable=True).to(torch.int32)  # [T]
+    count = torch.zeros(num_seqs + 1, dtype=torch.int64, device=row_seq.device)
+    count = count.scatter_add_(0, key, torch.ones_like(key))[:num_seqs]  # [S]
+    start = count.cumsum(0) - count  # [S]
+    tiles = (count + block_q - 1) // block_q  # [S]
+    tiles_end = tiles.cumsum(0)  # [S]
+    programs = torch.arange((t + block_q - 1) // block_q + min(num_seqs, t),
+                            device=row_seq.device)  # [P]
+    tile_seq = torch.searchsorted(tiles_end, programs, right=True).clamp_(max=num_seqs - 1)
+    tile_first = (programs - (tiles_end - tiles)[tile_seq]) * block_q  # [P]
+    return (order, start.to(torch.int32), count.to(torch.int32), tile_seq.to(torch.int32),
+            tile_first.to(torch.int32))
+
+
+def _block_m(num_rows: int, group: int) -> int:
+    """Rows x heads per tile: 16 for decode/verify-sized batches, 64 when the batch is
+    large (prefill chunks), never below the GQA group. Shape-based, so no sync."""
+    m = 64 if num_rows >= 256 else 16
+    return max(m, triton.next_power_of_2(group))
+
+
+def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, row_seq: torch.Tensor,
+                            positions: torch.Tensor, scale: float) -> torch.Tensor:
+    t, hq, dim = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    group = hq // hkv
+    if dim & (dim - 1) or dim < 16:
+        raise ValueError(f"paged_attention: head_dim {dim} must be a power of two >= 16")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_attention: the head dimension must be contiguous")
+    out = torch.zeros(t, hq, dim, dtype=q.dtype, device=q.device)  # padding rows stay 0
+    if t == 0 or block_tables.shape[0] == 0:
+        return out
+    block_m = _block_m(t, group)
+    order, start, count, tile_seq, tile_first = _plan(row_seq, block_tables.shape[0],
+                                                      block_m // group)
+    grid = (tile_seq.shape[0], hkv)
+    launcher(_paged_attention_kernel, q)[grid](
+        q, k_cache, v_cache, out, block_tables, positions, order, start, count, tile_seq,
+        tile_first, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE_N=TILE_N,
+        DOT_FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16
+                                              and interpreted_bf16_dot()))
+    return out
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _paged_attention_kernel(
+            q_ptr, kc_ptr, vc_ptr, out_ptr, tables_ptr, pos_ptr, order_ptr, start_ptr,
+            count_ptr, tile_seq_ptr, tile_first_ptr, scale_log2,
+            stride_qt, stride_qh, stride_ot, stride_oh,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DOT_FP32: tl.constexpr):
+        tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        seq = tl.load(tile_seq_ptr + tile)
+        first = tl.load(tile_first_ptr + tile)
+        count = tl.load(count_ptr + seq)
+        if first < count:
+            m = tl.arange(0, BLOCK_M)
+            qi = first + m // GROUP  # [M] row index within the sequence
+            head = kv_head * GROUP + m % GROUP  # [M] query head
+            live = qi < count
+            row = tl.load(order_ptr + tl.load(start_ptr + seq) + qi, mask=live, other=0)
+            row = row.to(tl.int64)
+            pos = tl.load(pos_ptr + row, mask=live, other=-1)  # [M]
+            d = tl.arange(0, HEAD_DIM)
+            q_off = row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+            q = tl.load(q_ptr + q_off, mask=live[:, None], other=0.0)  # [M, D]
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            max_pos = tl.max(pos, 0)
+            table = tables_ptr + seq.to(tl.int64) * stride_bt
+            for j in range(0, max_pos // TILE_N + 1):
+                kpos = j * TILE_N + tl.arange(0, TILE_N)  # [N]
+                kin = kpos <= max_pos
+                blk = tl.load(table + kpos // BLOCK_SIZE, mask=kin, other=0).to(tl.int64)
+                off = kpos % BLOCK_SIZE
+                k_off = blk * stride_kb + off * stride_ks + kv_head * stride_kh  # [N]
+                v_off = blk * stride_vb + off * stride_vs + kv_head * stride_vh
+                k = tl.load(kc_ptr + k_off[None, :] + d[:, None], mask=kin[None, :],
+                            other=0.0)  # [D, N]
+                v = tl.load(vc_ptr + v_off[:, None] + d[None, :], mask=kin[:, None],
+                            other=0.0)  # [N, D]
+                if DOT_FP32:  # fp32 inputs: exact (ieee), not tf32
+                    s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+                else:
+                    s = tl.dot(q, k.to(q.dtype))
+                s = s * scale_log2
+                s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))  # [M, N]
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                # NOTE: rows with no key yet (dead rows) keep m = -inf; shift by 0 there.
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if DOT_FP32:
+                    pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+            acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            o_off = row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+            tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=live[:, None])

@@ -9,12 +9,11 @@ Dispatch rule (one call site per kernel, in its public function):
     else:
         torch reference
 
-`kernels_on_cpu()` is for tests: inside it, CPU tensors go to the kernel, run by Triton's
-interpreter (`launcher` wraps the kernel's Python function in an InterpretedFunction, so
-it works whether or not TRITON_INTERPRET=1 was set before the kernel was defined, and it
-never changes what the rest of the process runs). NOTE: a kernel run this way must not
-call other @triton.jit functions (they stay compiled-mode objects); keep kernels
-self-contained or inline helpers.
+`kernels_on_cpu()` is for tests: inside it, CPU tensors go to the kernel, which Triton's
+interpreter runs. NOTE: the interpreter only works when TRITON_INTERPRET=1 was set before
+triton itself was imported (triton.language's own helpers are jit functions too), and it
+then turns every kernel defined in the process into an interpreted one. So tests run it in
+a subprocess (tests/unit/kernels/interpret.py), never in the shared pytest process.
 
 `aot_compile` builds a cubin for an sm_XX target without a GPU (Triton's own compiler and
 the ptxas it ships) and reads shared memory, registers and spills, for tests that keep
@@ -63,8 +62,8 @@ def interpreter_on() -> bool:
 @contextlib.contextmanager
 def kernels_on_cpu() -> Iterator[None]:
     """Inside this block, kernels take CPU tensors too and run in Triton's interpreter."""
-    if not triton_available():
-        raise RuntimeError("kernels_on_cpu() needs triton")
+    if not triton_available() or not interpreter_on():
+        raise RuntimeError("kernels_on_cpu() needs triton imported with TRITON_INTERPRET=1")
     token = _ON_CPU.set(True)
     try:
         yield
@@ -79,21 +78,18 @@ def use_kernel(t: torch.Tensor) -> bool:
     return t.is_cuda or (_ON_CPU.get() and t.device.type == "cpu")
 
 
+def interpreted_bf16_dot() -> bool:
+    """True when bf16 tl.dot must be done in fp32: Triton 3.9's interpreter multiplies the
+    raw uint16 storage of bf16 operands (numpy has no bf16), so results are garbage."""
+    return interpreter_on()
+
+
 def launcher(kernel: Any, t: torch.Tensor) -> Any:
-    """The object to index with a grid and call: the kernel itself for CUDA tensors, an
-    interpreted copy of it for CPU tensors (inside `kernels_on_cpu()`)."""
-    if t.is_cuda:
-        return kernel
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return kernel if isinstance(kernel, InterpretedFunction) else _interpreted(kernel.fn)
-
-
-@functools.cache
-def _interpreted(fn: Any) -> Any:
-    from triton.runtime.interpreter import InterpretedFunction  # noqa: F811
-
-    return InterpretedFunction(fn)
+    """The object to index with a grid and call. Today the kernel itself (interpreted under
+    TRITON_INTERPRET=1); one place to adapt launches later."""
+    if t.device.type == "cpu" and not interpreter_on():
+        raise RuntimeError(f"{kernel.__name__} on CPU tensors needs TRITON_INTERPRET=1")
+    return kernel
 
 
 # ---------------------------------------------------------------------------------------
