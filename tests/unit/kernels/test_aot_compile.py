@@ -35,7 +35,21 @@ class AotCase:
         return getattr(importlib.import_module(module), attr)
 
 
-CASES: list[AotCase] = []
+_QUANT = "chainspec.kernels.hidden_quant:"
+CASES: list[AotCase] = [
+    AotCase("quantize_int8_bf16", _QUANT + "_quantize_kernel",
+            {"x_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "H": "i32",
+             "stride_x": "i32"}, {"QMAX": 127.0, "FP8": False, "BLOCK": 4096}),
+    AotCase("quantize_fp8_fp32", _QUANT + "_quantize_kernel",
+            {"x_ptr": "*fp32", "q_ptr": "*u8", "scale_ptr": "*fp32", "H": "i32",
+             "stride_x": "i32"}, {"QMAX": 448.0, "FP8": True, "BLOCK": 4096}),
+    AotCase("dequantize_fp8_bf16", _QUANT + "_dequantize_kernel",
+            {"q_ptr": "*u8", "scale_ptr": "*fp32", "out_ptr": "*bf16", "H": "i32",
+             "stride_q": "i32"}, {"FP8": True, "BLOCK": 4096}),
+    AotCase("dequantize_int8_fp32", _QUANT + "_dequantize_kernel",
+            {"q_ptr": "*i8", "scale_ptr": "*fp32", "out_ptr": "*fp32", "H": "i32",
+             "stride_q": "i32"}, {"FP8": False, "BLOCK": 4096}),
+]
 
 
 @pytest.mark.parametrize("cap", CAPABILITIES, ids=lambda c: f"sm{c}")
