@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from chainspec.kernels.mtp_input import fused_mtp_input
 from chainspec.models.config import ModelConfig
 from chainspec.models.layers import AttentionBackend, DecoderLayer, RMSNorm
 from chainspec.models.rope import RotaryEmbedding
@@ -45,8 +46,9 @@ class MTPModule(nn.Module):
     def forward(self, token_emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
         """token_emb, hidden [T, H] -> g [T, H], the block output before final_norm."""
-        e, g = self.enorm(token_emb), self.hnorm(hidden)
-        u = torch.cat([g, e] if self.hidden_first else [e, g], dim=-1)  # [T, 2H]
+        # enorm + hnorm + concat: one Triton kernel on CUDA, RMSNorm in torch elsewhere
+        u = fused_mtp_input(token_emb, hidden, self.enorm.weight, self.hnorm.weight,
+                            self.enorm.eps, self.enorm.unit_offset, self.hidden_first)  # [T, 2H]
         return self.block(self.eh_proj(u), positions, backend)
 
 
