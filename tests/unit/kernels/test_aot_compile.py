@@ -50,6 +50,17 @@ CASES: list[AotCase] = [
             {"q_ptr": "*i8", "scale_ptr": "*fp32", "out_ptr": "*fp32", "H": "i32",
              "stride_q": "i32"}, {"FP8": False, "BLOCK": 4096}),
 ]
+_MTP = {"emb_ptr": "*bf16", "hid_ptr": "*bf16", "we_ptr": "*bf16", "wh_ptr": "*bf16",
+        "u_ptr": "*bf16", "H": "i32", "stride_e": "i32", "stride_h": "i32", "eps": "fp32"}
+CASES += [
+    AotCase("mtp_input_bf16_h7168", "chainspec.kernels.mtp_input:_mtp_input_kernel", _MTP,
+            {"UNIT_OFFSET": False, "HIDDEN_FIRST": False, "IS_FP32": False, "BLOCK": 8192},
+            num_warps=16),
+    AotCase("mtp_input_fp32_offset", "chainspec.kernels.mtp_input:_mtp_input_kernel",
+            {k: v.replace("bf16", "fp32") for k, v in _MTP.items()},
+            {"UNIT_OFFSET": True, "HIDDEN_FIRST": True, "IS_FP32": True, "BLOCK": 4096},
+            num_warps=8),
+]
 
 
 @pytest.mark.parametrize("cap", CAPABILITIES, ids=lambda c: f"sm{c}")
