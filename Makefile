@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo serve bench-services test lint venv clean train-demo protos tools
+.PHONY: demo serve bench-services test lint venv clean train-demo protos tools gpu-check
 
 venv: $(STAMP)
 
@@ -31,6 +31,11 @@ bench-services: $(STAMP)
 
 test: $(STAMP) lint
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q tests
+
+# GPU tests plus a timing pass into benchmarks/results/gpu (one line and exit 0 without
+# CUDA). On a GPU machine without the venv: make gpu-check PY=python3 (no bootstrap).
+gpu-check: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
+	@PYTHONPATH=services:. $(PY) benchmarks/gpu_check.py --out benchmarks/results/gpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check services tests benchmarks

@@ -1,0 +1,115 @@
+"""Timed engine steps on the demo model: a draft round (CUDA graph vs eager, per bucket)
+and a verify step (per batch size; graph vs eager once captured verify steps exist)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import torch
+
+from benchmarks.gpu.timing import Budget, Context, each_size, median_ms, skipped
+from chainspec.engine.draft_batch import Window
+from chainspec.engine.draft_step import draft_round
+from chainspec.engine.graph_runner import GraphRunner, StaticDraftBuffers, default_buckets
+from chainspec.engine.local import DEMO_MODEL
+from chainspec.engine.request import Request, StopConditions
+from chainspec.engine.sampling import SamplingParams
+from chainspec.engine.schedule import Work, WorkKind
+from chainspec.engine.verify_batch import run_verify
+from chainspec.models.kv_cache import KVCache
+from chainspec.models.loader import load_draft_model, load_target
+
+K = 3  # draft steps (the demo model has 3 MTP modules)
+VERIFY_GRAPHS = "chainspec.engine.verify_graphs"
+
+
+def _shape(ctx: Context) -> tuple[int, int, int]:
+    """(largest batch, cache length, context) for the run."""
+    return (2, 64, 40) if ctx.dry_run else (32, 512, 448)
+
+
+def draft_round_section(ctx: Context, budget: Budget) -> dict:
+    max_seqs, max_len, context = _shape(ctx)
+    model = load_draft_model(DEMO_MODEL, ctx.dtype, ctx.device, cache_len=max_len)
+    cfg = model.config
+
+    def runner(use_graphs: bool) -> GraphRunner:
+        cache = KVCache(K, max_seqs, max_len, cfg.num_kv_heads, cfg.head_dim, ctx.dtype,
+                        ctx.device)
+        buffers = StaticDraftBuffers(max_seqs, K, cfg.hidden_size, max_len, ctx.device,
+                                     ctx.dtype)
+        r = GraphRunner(lambda b: draft_round(model, cache, b, K, True, 4), buffers,
+                        default_buckets(max_seqs), use_graphs)
+        r.capture()
+        return r
+
+    graphs, eager = runner(True), runner(False)
+
+    def measure(batch: int) -> dict:
+        wins = _windows(batch, context, cfg.hidden_size, cfg.vocab_size)
+        same = torch.equal(graphs.run(wins).tokens, eager.run(wins).tokens)
+        e = median_ms(lambda: eager.run(wins), ctx)
+        g = median_ms(lambda: graphs.run(wins), ctx)
+        return {"batch": batch, "rows": batch * (K + 1), "eager_ms": e, "graph_ms": g,
+                "speedup": e / g, "same_drafts": same}
+
+    out = each_size(graphs.buckets, budget, measure)
+    out.update(k=K, context=context, captured=bool(graphs.graphs), model="demo MTP",
+               dtype=str(ctx.dtype))
+    return out
+
+
+def _windows(batch: int, context: int, hidden: int, vocab: int) -> list[Window]:
+    """Steady-state update windows: K+1 new rows per sequence near `context`, sampled."""
+    rng = random.Random(batch)
+    return [Window(slot=s, first_pos=context - rng.randint(0, 8),
+                   hidden=torch.randn(K + 1, hidden), tokens=torch.randint(0, vocab, (K + 1,)),
+                   temperature=0.7, seed=s) for s in range(batch)]
+
+
+def verify_step_section(ctx: Context, budget: Budget) -> dict:
+    max_seqs, max_len, context = _shape(ctx)
+    model = load_target(DEMO_MODEL, ctx.dtype, ctx.device, cache_len=max_len)
+    cfg = model.config
+    cache = KVCache(cfg.num_layers, max_seqs, max_len, cfg.num_kv_heads, cfg.head_dim,
+                    ctx.dtype, ctx.device)
+    graph_step = _verify_graph_step(model, cache, max_seqs, ctx)
+
+    def measure(batch: int) -> dict:
+        work = _verify_work(batch, context, cfg.vocab_size)
+        e = median_ms(lambda: run_verify(model, cache, work, ctx.device), ctx)
+        row = {"batch": batch, "rows": batch * (K + 1), "eager_ms": e,
+               "rows_per_s": batch * (K + 1) / e * 1e3}
+        if graph_step is not None:
+            g = median_ms(lambda: graph_step(work), ctx)
+            row.update(graph_ms=g, speedup=e / g)
+        return row
+
+    out = each_size(default_buckets(max_seqs), budget, measure)
+    out.update(k=K, context=context, model="demo target", dtype=str(ctx.dtype),
+               graphs="captured" if graph_step else
+               skipped(f"{VERIFY_GRAPHS} is not on main yet")["skipped"])
+    return out
+
+
+def _verify_work(batch: int, context: int, vocab: int) -> list[Work]:
+    """One verify window per sequence: x[N] and K drafts at positions context..+K."""
+    rng = random.Random(batch)
+    work = []
+    for s in range(batch):
+        req = Request(f"r{s}", [rng.randrange(vocab) for _ in range(context)],
+                      SamplingParams(temperature=0.0), StopConditions(), K)
+        req.slot = s
+        req.num_computed = context
+        tokens = tuple(rng.randrange(vocab) for _ in range(K + 1))
+        work.append(Work(req, WorkKind.VERIFY, context, tokens, K))
+    return work
+
+
+def _verify_graph_step(model, cache, max_seqs: int, ctx: Context):
+    """A callable `(work) -> None` replaying captured verify steps, or None while the
+    captured verifier (helper P's `engine/verify_graphs.py`) is not on main."""
+    if importlib.util.find_spec(VERIFY_GRAPHS) is None:
+        return None
+    raise NotImplementedError(f"{VERIFY_GRAPHS} landed: wire its runner in here")
