@@ -20,6 +20,7 @@ class DraftOutput:
     tokens: torch.Tensor  # [S, K] int64
     support: torch.Tensor  # [S, K, k] int64: top-k of the draft distribution
     probs: torch.Tensor  # [S, K, k] float32: q over `support` (renormalized)
+    chain: torch.Tensor  # [S, K, H]: g[k] at each sequence's last row (draft-ahead input)
 
 
 def draft_round(model: MTPDraftModel, cache: KVCache, batch: DraftBatch, num_steps: int,
@@ -32,11 +33,13 @@ def draft_round(model: MTPDraftModel, cache: KVCache, batch: DraftBatch, num_ste
     backend = PagedAttention(cache, batch.attn, model.config.head_dim ** -0.5)
     positions = batch.attn.positions
     prev = batch.hidden  # [T, H]: g[0] = h
-    drafts, supports, probs = [], [], []
+    drafts, supports, probs, lasts = [], [], [], []
     for step in range(1, num_steps + 1):
         tokens = batch.tokens[batch.row_tok + (step - 1)]  # [T]
         g = model.step(step, tokens, prev, positions, backend)  # [T, H]
-        logits = model.logits(step, g[batch.last_row])  # [S, V]
+        last = g[batch.last_row]  # [S, H]
+        lasts.append(last)
+        logits = model.logits(step, last)  # [S, V]
         if batch.any_sampled:
             draft_pos = batch.attn.positions[batch.last_row] + 1 + step  # [S]: d'_k's position
             noise = exponential_noise(batch.seed, NoiseStream.DRAFT, draft_pos, top_k)
@@ -52,7 +55,8 @@ def draft_round(model: MTPDraftModel, cache: KVCache, batch: DraftBatch, num_ste
         if clock is not None:
             clock.mark()
     tokens = torch.stack(drafts, 1)  # [S, K]
+    states = torch.stack(lasts, 1)  # [S, K, H]
     if not batch.any_sampled:
         empty = tokens.new_zeros(*tokens.shape, top_k)
-        return DraftOutput(tokens, empty, empty.float())
-    return DraftOutput(tokens, torch.stack(supports, 1), torch.stack(probs, 1))
+        return DraftOutput(tokens, empty, empty.float(), states)
+    return DraftOutput(tokens, torch.stack(supports, 1), torch.stack(probs, 1), states)

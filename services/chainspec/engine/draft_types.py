@@ -62,6 +62,12 @@ class SeqUpdate:
     hidden: torch.Tensor  # [n, H]
     want_drafts: bool = True
     sampling: DraftSampling = GREEDY
+    # Draft-ahead (DESIGN 4.8): also propose drafts for the likely outcome of the round
+    # that follows this update, in a look-ahead answer (`DraftAhead`).
+    look_ahead: bool = False
+    # The drafts the verifier will verify after this update when it already holds them
+    # (a look-ahead hit); empty: the drafts this update asks for.
+    verifying: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n, shape = len(self.tokens), self.hidden.shape
@@ -125,6 +131,26 @@ SeqOutcome = DraftResult | SeqFailure
 
 
 @dataclass(frozen=True)
+class DraftAhead:
+    """Look-ahead drafts (DESIGN 4.8): should the round that verifies at bonus index
+    `base` commit exactly `outcome` (the drafts all accepted, then the guessed bonus),
+    `drafts` (at position base + len(outcome)) are the next round's proposals. Drafted
+    from the drafter's own chain states in place of target hidden states, so they are a
+    guess; the verifier uses them only on an exact match and verifies them as usual."""
+
+    seq_id: int
+    base: int
+    outcome: tuple[int, ...]  # [m + 1]
+    drafts: DraftResult
+
+    def __post_init__(self) -> None:
+        if len(self.outcome) < 2 or self.drafts.position != self.base + len(self.outcome):
+            raise ValueError(f"look-ahead of seq {self.seq_id}: outcome of "
+                             f"{len(self.outcome)} tokens from base {self.base} does not "
+                             f"lead to drafts at {self.drafts.position}")
+
+
+@dataclass(frozen=True)
 class DraftBatch:
     """One step's work for a drafter. Releases apply before updates."""
 
@@ -139,3 +165,4 @@ class DraftReply:
 
     batch_id: int
     results: tuple[SeqOutcome, ...] = ()
+    ahead: tuple[DraftAhead, ...] = ()  # a look-ahead answer: follows the batch's answer

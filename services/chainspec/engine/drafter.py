@@ -15,8 +15,16 @@ import torch
 
 from chainspec.engine.draft_batch import Window, build_compact
 from chainspec.engine.draft_step import DraftOutput, draft_round
-from chainspec.engine.draft_types import DraftResult, ErrorCode, SeqFailure, SeqOutcome, SeqUpdate
+from chainspec.engine.draft_types import (
+    DraftAhead,
+    DraftResult,
+    ErrorCode,
+    SeqFailure,
+    SeqOutcome,
+    SeqUpdate,
+)
 from chainspec.engine.graph_runner import GraphRunner, StaticDraftBuffers, default_buckets
+from chainspec.engine.lookahead import AheadSource, ahead_entry, ahead_window
 from chainspec.engine.observer import DrafterObserver, DraftRoundRecord
 from chainspec.engine.step_clock import StepClock
 from chainspec.models.kv_cache import KVCache
@@ -68,6 +76,8 @@ class DrafterEngine:
         self.cache = KVCache(c.num_steps, c.max_seqs, c.max_len, model.config.num_kv_heads,
                              model.config.head_dim, self.dtype, self.device)
         self.seqs: dict[int, _SeqState] = {}
+        self._ahead: list[AheadSource] = []  # asked for by the last update, not yet run
+        self.ahead_rounds = 0
         self.free_slots = list(range(c.max_seqs - 1, -1, -1))
         graph_batch = min(c.max_graph_batch, c.max_seqs)
         buffers = StaticDraftBuffers(graph_batch, c.num_steps, self.hidden_size, c.max_len,
@@ -113,14 +123,44 @@ class DrafterEngine:
         windows = [w for _, _, w in accepted]
         self._clock = StepClock(self.device) if self.observer is not None else None
         eager_reason = None
+        self._ahead = []
         if accepted:
             out, eager_reason = self._run(windows)
             for row, (i, upd, window) in enumerate(accepted):
                 self._commit(upd, window)
                 outcomes[i] = self._result(upd, out, row)
+                if upd.look_ahead and upd.want_drafts and self.config.num_steps > 1:
+                    self._ahead.append(self._ahead_source(upd, window, out, row))
         if self.observer is not None:
             self._observe(started, windows, eager_reason, outcomes)
         return outcomes  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def look_ahead(self) -> list[DraftAhead]:
+        """Draft-ahead entries for the sequences whose last `update` asked for them
+        (lookahead.py); call after answering that update. Changes no sequence state."""
+        todo, self._ahead = self._ahead, []
+        K = self.config.num_steps
+        todo = [src for src in todo if src.seq_id in self.seqs and
+                self.seqs[src.seq_id].next_start == src.base and
+                src.base + src.verify.shape[0] + K <= self.config.max_len]
+        if not todo:
+            return []
+        states = [self.seqs[src.seq_id] for src in todo]
+        windows = [ahead_window(src, st.slot, st.hist_hidden, st.hist_tokens)
+                   for src, st in zip(todo, states, strict=True)]
+        self._clock = None  # NOTE: the observer times exact rounds only
+        out, _ = self._run(windows)
+        self.ahead_rounds += 1
+        return [ahead_entry(src, out, row, src.temperature > 0)
+                for row, src in enumerate(todo)]
+
+    def _ahead_source(self, upd: SeqUpdate, window: Window, out: DraftOutput,
+                      row: int) -> AheadSource:
+        verify = torch.tensor(upd.verifying, dtype=torch.int64) if upd.verifying \
+            else out.tokens[row].cpu()
+        return AheadSource(upd.seq_id, upd.end, verify, out.chain[row],
+                           window.temperature, window.seed)
 
     def _observe(self, started: float, windows: list[Window], eager_reason: str | None,
                  outcomes: list[SeqOutcome]) -> None:
@@ -150,6 +190,10 @@ class DrafterEngine:
                        f"expected [{n}, {self.hidden_size}] (one row per token)")
         if not all(0 <= t < self.vocab_size for t in upd.tokens):
             return bad(f"token id out of range [0, {self.vocab_size})")
+        if len(upd.verifying) > self.config.num_steps or \
+                not all(0 <= t < self.vocab_size for t in upd.verifying):
+            return bad(f"verifying holds {len(upd.verifying)} tokens; expected at most "
+                       f"K = {self.config.num_steps}, each in [0, {self.vocab_size})")
         if not bool(torch.isfinite(upd.hidden).all()):
             return bad("hidden contains non-finite values")
         if upd.start < 0 or upd.start + n + self.config.num_steps > self.config.max_len:

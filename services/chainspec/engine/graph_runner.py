@@ -161,4 +161,5 @@ class GraphRunner:
             self.eager_runs += 1
         n = len(windows)
         # NOTE: copy out before the next replay overwrites the graph's output tensors.
-        return DraftOutput(out.tokens[:n].clone(), out.support[:n].clone(), out.probs[:n].clone())
+        return DraftOutput(out.tokens[:n].clone(), out.support[:n].clone(), out.probs[:n].clone(),
+                           out.chain[:n].clone())
