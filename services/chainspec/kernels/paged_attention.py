@@ -97,6 +97,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 # table, up to the largest position in the tile; online softmax, fp32 accumulators.
 
 TILE_N = 32  # key positions per inner step (any block_size: a tile spans or splits blocks)
+NUM_STAGES = 2  # the AOT test compiles with it
 
 
 def _plan(row_seq: torch.Tensor, num_seqs: int, block_q: int) -> tuple[torch.Tensor, ...]:
@@ -123,11 +124,15 @@ def _plan(row_seq: torch.Tensor, num_seqs: int, block_q: int) -> tuple[torch.Ten
             tile_first.to(torch.int32))
 
 
-def _block_m(num_rows: int, group: int) -> int:
-    """Rows x heads per tile: 16 for decode/verify-sized batches, 64 when the batch is
-    large (prefill chunks), never below the GQA group. Shape-based, so no sync."""
+def _tiling(num_rows: int, group: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M rows x heads per tile, num_warps). 16-row tiles for decode/verify-sized
+    batches, 64 when the batch is large (prefill chunks), never below the GQA group;
+    shape-based, so no sync. NOTE: fp32 (ieee dots, no tensor cores) keeps 16-row tiles and
+    8 warps: anything bigger spills registers (see test_aot_compile)."""
+    if dtype == torch.float32:
+        return max(16, triton.next_power_of_2(group)), 8
     m = 64 if num_rows >= 256 else 16
-    return max(m, triton.next_power_of_2(group))
+    return max(m, triton.next_power_of_2(group)), 4
 
 
 def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -143,7 +148,7 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.zeros(t, hq, dim, dtype=q.dtype, device=q.device)  # padding rows stay 0
     if t == 0 or block_tables.shape[0] == 0:
         return out
-    block_m = _block_m(t, group)
+    block_m, num_warps = _tiling(t, group, q.dtype)
     order, start, count, tile_seq, tile_first = _plan(row_seq, block_tables.shape[0],
                                                       block_m // group)
     grid = (tile_seq.shape[0], hkv)
@@ -155,7 +160,8 @@ def _paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE_N=TILE_N,
         DOT_FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16
-                                              and interpreted_bf16_dot()))
+                                              and interpreted_bf16_dot()),
+        num_warps=num_warps, num_stages=NUM_STAGES)
     return out
 
 
@@ -199,14 +205,15 @@ if triton_available():
                 off = kpos % BLOCK_SIZE
                 k_off = blk * stride_kb + off * stride_ks + kv_head * stride_kh  # [N]
                 v_off = blk * stride_vb + off * stride_vs + kv_head * stride_vh
-                k = tl.load(kc_ptr + k_off[None, :] + d[:, None], mask=kin[None, :],
-                            other=0.0)  # [D, N]
+                k = tl.load(kc_ptr + k_off[:, None] + d[None, :], mask=kin[:, None],
+                            other=0.0)  # [N, D]
                 v = tl.load(vc_ptr + v_off[:, None] + d[None, :], mask=kin[:, None],
                             other=0.0)  # [N, D]
                 if DOT_FP32:  # fp32 inputs: exact (ieee), not tf32
-                    s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)),
+                               input_precision="ieee")
                 else:
-                    s = tl.dot(q, k.to(q.dtype))
+                    s = tl.dot(q, tl.trans(k.to(q.dtype)))
                 s = s * scale_log2
                 s = tl.where(kpos[None, :] <= pos[:, None], s, float("-inf"))  # [M, N]
                 m_new = tl.maximum(m_i, tl.max(s, 1))

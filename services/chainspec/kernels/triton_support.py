@@ -124,13 +124,18 @@ class AotResult:
 
 
 def aot_compile(kernel: Any, signature: Mapping[str, str], constexprs: Mapping[str, Any],
-                capability: int, num_warps: int = 4, num_stages: int = 2,
-                aligned: bool = True) -> AotResult:
+                capability: int, num_warps: int = 4, num_stages: int = 3,
+                aligned: bool = True, divisible: tuple[str, ...] = ()) -> AotResult:
     """Compile `kernel` (a @triton.jit function) for sm_<capability> and read its resources.
 
     signature: Triton type strings for the runtime arguments, e.g. {"x": "*fp16", "n": "i32"};
-    constexprs: values of the tl.constexpr arguments. With `aligned`, pointer arguments are
-    declared 16-byte aligned, as torch allocations are, so loads vectorise like at run time.
+    constexprs: values of the tl.constexpr arguments. num_warps/num_stages default to a
+    plain launch's (4, 3): pass what the kernel's launch passes. With `aligned`, pointer
+    arguments are declared 16-byte aligned, as torch allocations are, so loads vectorise
+    like at run time.
+    divisible: integer arguments to declare multiples of 16, as Triton's launcher does for
+    any int argument that is one (strides like heads * head_dim): without it, loads indexed
+    by those strides do not vectorise and register counts read far higher than at run time.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -139,10 +144,9 @@ def aot_compile(kernel: Any, signature: Mapping[str, str], constexprs: Mapping[s
     sig = dict(signature)
     for name in constexprs:
         sig.setdefault(name, "constexpr")
-    attrs = {}
-    if aligned:
-        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
-                 for n, ty in signature.items() if ty.startswith("*")}
+    marked = [n for n, ty in signature.items() if aligned and ty.startswith("*")]
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+             for n in [*marked, *divisible]}
     src = ASTSource(fn=kernel, signature=sig, constexprs=dict(constexprs), attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages,

@@ -28,7 +28,8 @@ class AotCase:
     signature: dict[str, str]  # runtime args: {"x": "*fp16", "n": "i32"}
     constexprs: dict[str, Any] = field(default_factory=dict)
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
+    divisible: tuple[str, ...] = ()  # int args that are multiples of 16 at run time
 
     def load(self) -> Any:
         module, attr = self.kernel.split(":")
@@ -76,6 +77,45 @@ CASES += [
 ]
 
 
+
+def _attention(dtype: str, head_dim: int, group: int, block_m: int) -> AotCase:
+    ptrs = dict.fromkeys(("q_ptr", "kc_ptr", "vc_ptr", "out_ptr"), f"*{dtype}")
+    ptrs.update(dict.fromkeys(("tables_ptr", "order_ptr", "start_ptr", "count_ptr",
+                               "tile_seq_ptr", "tile_first_ptr"), "*i32"), pos_ptr="*i64")
+    strides = dict.fromkeys(("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb",
+                             "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
+                             "stride_bt"), "i32")  # all but stride_bt multiples of head_dim
+    return AotCase(f"paged_attention_{dtype}_d{head_dim}_g{group}_m{block_m}",
+                   "chainspec.kernels.paged_attention:_paged_attention_kernel",
+                   {**ptrs, "scale_log2": "fp32", **strides},
+                   dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=block_m,
+                        TILE_N=32, DOT_FP32=dtype == "fp32"),
+                   num_warps=8 if dtype == "fp32" else 4, num_stages=2,
+                   divisible=tuple(strides)[:-1])
+
+
+def _store_kv(dtype: str, head_dim: int, heads: int) -> AotCase:
+    sig = {**dict.fromkeys(("k_ptr", "v_ptr", "kc_ptr", "vc_ptr"), f"*{dtype}"),
+           "slot_ptr": "*i64",
+           **dict.fromkeys(("stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_kcb",
+                            "stride_kcs", "stride_kch", "stride_vcb", "stride_vcs",
+                            "stride_vch", "num_heads"), "i32")}
+    return AotCase(f"store_kv_{dtype}_d{head_dim}_h{heads}",
+                   "chainspec.kernels.kv_store:_store_kv_kernel", sig,
+                   dict(BLOCK_SIZE=16, HEADS=heads, HEAD_DIM=head_dim), num_warps=4,
+                   divisible=tuple(sig)[5:-1])
+
+
+CASES += [
+    _attention("bf16", 128, 8, 64),  # prefill-sized tiles, the widest GQA group
+    _attention("fp16", 128, 1, 16),  # decode/verify tiles
+    _attention("fp16", 64, 4, 64),
+    _attention("bf16", 64, 2, 16),
+    _attention("fp32", 128, 8, 16),  # fp32 dots (ieee): tiles stay at 16 rows x heads
+    _store_kv("bf16", 128, 8),
+    _store_kv("fp16", 64, 4),
+]
+
 @pytest.mark.parametrize("cap", CAPABILITIES, ids=lambda c: f"sm{c}")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_kernel_compiles_within_target_limits(case: AotCase, cap: int) -> None:
@@ -83,7 +123,8 @@ def test_kernel_compiles_within_target_limits(case: AotCase, cap: int) -> None:
     from chainspec.kernels.triton_support import aot_compile
 
     result = aot_compile(case.load(), case.signature, case.constexprs, cap,
-                         num_warps=case.num_warps, num_stages=case.num_stages)
+                         num_warps=case.num_warps, num_stages=case.num_stages,
+                         divisible=case.divisible)
     assert result.num_warps == case.num_warps
     assert result.registers is not None, "cuobjdump could not read the cubin's registers"
     assert result.problems() == [], f"{case.name} on sm_{cap}: {result.problems()}"
