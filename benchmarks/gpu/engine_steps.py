@@ -4,6 +4,8 @@ and a verify step (per batch size; graph vs eager once captured verify steps exi
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import math
 import random
 
 import torch
@@ -17,11 +19,16 @@ from chainspec.engine.request import Request, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.schedule import Work, WorkKind
 from chainspec.engine.verify_batch import run_verify
-from chainspec.models.kv_cache import KVCache
+from chainspec.models import kv_cache
 from chainspec.models.loader import load_draft_model, load_target
 
 K = 3  # draft steps (the demo model has 3 MTP modules)
 VERIFY_GRAPHS = "chainspec.engine.verify_graphs"
+BLOCK = 16  # block size of the paged cache
+# NOTE: both KV layouts are served while the paged engine (branch `paged`) is on its way
+# to main: slot caches (KVCache, Window.slot, Request.slot) and paged ones (PagedKVCache,
+# Window.blocks, Request.blocks). Delete the slot branch of each helper once it merged.
+PAGED = "block_size" in inspect.signature(StaticDraftBuffers.__init__).parameters
 
 
 def _shape(ctx: Context) -> tuple[int, int, int]:
@@ -35,10 +42,10 @@ def draft_round_section(ctx: Context, budget: Budget) -> dict:
     cfg = model.config
 
     def runner(use_graphs: bool) -> GraphRunner:
-        cache = KVCache(K, max_seqs, max_len, cfg.num_kv_heads, cfg.head_dim, ctx.dtype,
-                        ctx.device)
-        buffers = StaticDraftBuffers(max_seqs, K, cfg.hidden_size, max_len, ctx.device,
-                                     ctx.dtype)
+        cache = _kv_cache(K, max_seqs, max_len, cfg, ctx)
+        paged = (BLOCK,) if PAGED else ()
+        buffers = StaticDraftBuffers(max_seqs, K, cfg.hidden_size, max_len, *paged,
+                                     ctx.device, ctx.dtype)
         r = GraphRunner(lambda b: draft_round(model, cache, b, K, True, 4), buffers,
                         default_buckets(max_seqs), use_graphs)
         r.capture()
@@ -47,7 +54,7 @@ def draft_round_section(ctx: Context, budget: Budget) -> dict:
     graphs, eager = runner(True), runner(False)
 
     def measure(batch: int) -> dict:
-        wins = _windows(batch, context, cfg.hidden_size, cfg.vocab_size)
+        wins = _windows(batch, context, max_len, cfg.hidden_size, cfg.vocab_size)
         same = torch.equal(graphs.run(wins).tokens, eager.run(wins).tokens)
         e = median_ms(lambda: eager.run(wins), ctx)
         g = median_ms(lambda: graphs.run(wins), ctx)
@@ -56,28 +63,47 @@ def draft_round_section(ctx: Context, budget: Budget) -> dict:
 
     out = each_size(graphs.buckets, budget, measure)
     out.update(k=K, context=context, captured=bool(graphs.graphs), model="demo MTP",
+               kv_layout="paged" if PAGED else "slots",
                dtype=str(ctx.dtype))
     return out
 
 
-def _windows(batch: int, context: int, hidden: int, vocab: int) -> list[Window]:
+def _windows(batch: int, context: int, max_len: int, hidden: int, vocab: int
+             ) -> list[Window]:
     """Steady-state update windows: K+1 new rows per sequence near `context`, sampled."""
     rng = random.Random(batch)
-    return [Window(slot=s, first_pos=context - rng.randint(0, 8),
+    return [Window(**_where(s, max_len), first_pos=context - rng.randint(0, 8),
                    hidden=torch.randn(K + 1, hidden), tokens=torch.randint(0, vocab, (K + 1,)),
                    temperature=0.7, seed=s) for s in range(batch)]
+
+
+def _kv_cache(layers: int, max_seqs: int, max_len: int, cfg, ctx: Context):
+    """Room for `max_seqs` sequences of `max_len` positions."""
+    if PAGED:
+        blocks = max_seqs * math.ceil(max_len / BLOCK)
+        return kv_cache.PagedKVCache(layers, blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim,
+                                     ctx.dtype, ctx.device)
+    return kv_cache.KVCache(layers, max_seqs, max_len, cfg.num_kv_heads, cfg.head_dim,
+                            ctx.dtype, ctx.device)
+
+
+def _where(seq: int, max_len: int) -> dict:
+    """Sequence `seq`'s place in the cache: its slot, or its own run of blocks."""
+    if PAGED:
+        width = math.ceil(max_len / BLOCK)
+        return {"blocks": tuple(range(seq * width, (seq + 1) * width))}
+    return {"slot": seq}
 
 
 def verify_step_section(ctx: Context, budget: Budget) -> dict:
     max_seqs, max_len, context = _shape(ctx)
     model = load_target(DEMO_MODEL, ctx.dtype, ctx.device, cache_len=max_len)
     cfg = model.config
-    cache = KVCache(cfg.num_layers, max_seqs, max_len, cfg.num_kv_heads, cfg.head_dim,
-                    ctx.dtype, ctx.device)
+    cache = _kv_cache(cfg.num_layers, max_seqs, max_len, cfg, ctx)
     graph_step = _verify_graph_step(model, cache, max_seqs, ctx)
 
     def measure(batch: int) -> dict:
-        work = _verify_work(batch, context, cfg.vocab_size)
+        work = _verify_work(batch, context, max_len, cfg.vocab_size)
         e = median_ms(lambda: run_verify(model, cache, work, ctx.device), ctx)
         row = {"batch": batch, "rows": batch * (K + 1), "eager_ms": e,
                "rows_per_s": batch * (K + 1) / e * 1e3}
@@ -88,19 +114,24 @@ def verify_step_section(ctx: Context, budget: Budget) -> dict:
 
     out = each_size(default_buckets(max_seqs), budget, measure)
     out.update(k=K, context=context, model="demo target", dtype=str(ctx.dtype),
+               kv_layout="paged" if PAGED else "slots",
                graphs="captured" if graph_step else
                skipped(f"{VERIFY_GRAPHS} is not on main yet")["skipped"])
     return out
 
 
-def _verify_work(batch: int, context: int, vocab: int) -> list[Work]:
+def _verify_work(batch: int, context: int, max_len: int, vocab: int) -> list[Work]:
     """One verify window per sequence: x[N] and K drafts at positions context..+K."""
     rng = random.Random(batch)
     work = []
     for s in range(batch):
         req = Request(f"r{s}", [rng.randrange(vocab) for _ in range(context)],
                       SamplingParams(temperature=0.0), StopConditions(), K)
-        req.slot = s
+        place = _where(s, max_len)
+        if PAGED:
+            req.blocks.blocks = list(place["blocks"])
+        else:
+            req.slot = place["slot"]
         req.num_computed = context
         tokens = tuple(rng.randrange(vocab) for _ in range(K + 1))
         work.append(Work(req, WorkKind.VERIFY, context, tokens, K))

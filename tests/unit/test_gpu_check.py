@@ -42,7 +42,7 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
     assert doc["ok"] and doc["meta"]["dry_run"]
     secs = doc["sections"]
     assert set(secs) == {"draft_round", "verify_step", "attention", "small_kernels"}
-    for name in ("draft_round", "verify_step", "attention"):
+    for name in ("draft_round", "verify_step", "attention", "small_kernels"):
         assert "rows" in secs[name] and secs[name]["rows"], (name, secs[name])
     # graph and eager rounds draft the same tokens; the kernel matches its reference
     assert all(r["same_drafts"] for r in secs["draft_round"]["rows"])
