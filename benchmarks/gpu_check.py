@@ -43,8 +43,8 @@ import torch  # noqa: E402
 from benchmarks.gpu.report import document, pytest_counts, write  # noqa: E402
 from benchmarks.gpu.timing import Budget, Context  # noqa: E402
 
-TESTS_TIMEOUT_S = 240
-BUDGETS_S = {"draft_round": 40, "verify_step": 40, "attention": 100, "small_kernels": 30}
+TESTS_TIMEOUT_S = 210
+BUDGETS_S = {"draft_round": 30, "verify_step": 30, "attention": 90, "small_kernels": 20}
 
 
 def sections():
@@ -57,7 +57,10 @@ def sections():
 
 
 def run_tests(timeout_s: float) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"]
+    # NOTE: one file failing to import (a package missing on the GPU box) is an error in
+    # the counts, not the end of the run.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "--continue-on-collection-errors", "tests/gpu"]
     extra = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": "services:." + (f":{extra}" if extra else "")}
     t0 = time.monotonic()
