@@ -51,8 +51,9 @@ def draft_round_section(ctx: Context, budget: Budget) -> dict:
         r.capture()
         return r
 
-    graphs, eager = runner(True), runner(False)
+    graphs, eager = runner(True), runner(False)  # captured as the drafter does, outside
 
+    @torch.inference_mode()  # as the engines run their steps
     def measure(batch: int) -> dict:
         wins = _windows(batch, context, max_len, cfg.hidden_size, cfg.vocab_size)
         same = torch.equal(graphs.run(wins).tokens, eager.run(wins).tokens)
@@ -63,8 +64,7 @@ def draft_round_section(ctx: Context, budget: Budget) -> dict:
 
     out = each_size(graphs.buckets, budget, measure)
     out.update(k=K, context=context, captured=bool(graphs.graphs), model="demo MTP",
-               kv_layout="paged" if PAGED else "slots",
-               dtype=str(ctx.dtype))
+               kv_layout="paged" if PAGED else "slots", dtype=str(ctx.dtype))
     return out
 
 
@@ -102,6 +102,7 @@ def verify_step_section(ctx: Context, budget: Budget) -> dict:
     cache = _kv_cache(cfg.num_layers, max_seqs, max_len, cfg, ctx)
     graph_step = _verify_graph_step(model, cache, max_seqs, ctx)
 
+    @torch.inference_mode()
     def measure(batch: int) -> dict:
         work = _verify_work(batch, context, max_len, cfg.vocab_size)
         e = median_ms(lambda: run_verify(model, cache, work, ctx.device), ctx)
