@@ -25,13 +25,15 @@ def tied_pair(vocab: int = 61, modules: int = 2, seed: int = 0):
 
 def engine(target, draft=None, k: int = 3, chain: bool = True, max_seqs: int = 8,
            chunk: int = 512, client=None, top_k: int = 4, sampled_drafts: bool = True,
-           eos_ids: Sequence[int] = (), detokenize=None, groups: int = 1) -> VerifierEngine:
+           eos_ids: Sequence[int] = (), detokenize=None, groups: int = 1,
+           draft_ahead: bool = False) -> VerifierEngine:
     if client is None and draft is not None:
         client = LocalDraftClient(DrafterEngine(draft, DrafterConfig(
             num_steps=k, chain=chain, max_seqs=max_seqs, max_len=256, top_k=top_k)))
     cfg = VerifierConfig(num_steps=k, max_seqs=max_seqs, max_len=256, prefill_chunk=chunk,
                          max_batch_tokens=max(64, max_seqs * (k + 1)),
-                         sampled_drafts=sampled_drafts, groups=groups)
+                         sampled_drafts=sampled_drafts, groups=groups,
+                         draft_ahead=draft_ahead)
     return VerifierEngine(target, cfg, client, eos_ids, detokenize)
 
 

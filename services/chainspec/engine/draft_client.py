@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-from chainspec.engine.draft_types import SeqOutcome, SeqUpdate
+from chainspec.engine.draft_types import DraftAhead, SeqOutcome, SeqUpdate
 from chainspec.engine.drafter import DrafterEngine
 
 
@@ -22,6 +22,9 @@ class DraftClient(Protocol):
     def release(self, seq_ids: Sequence[int]) -> None:
         """Forget sequences (finished, aborted, or moved elsewhere)."""
 
+    def ahead(self) -> dict[int, DraftAhead]:
+        """Look-ahead entries that arrived since the last call (never waits)."""
+
 
 class LocalDraftClient:
     """In-process drafter: `submit` drafts at once, `collect` hands the results over."""
@@ -29,14 +32,23 @@ class LocalDraftClient:
     def __init__(self, engine: DrafterEngine) -> None:
         self.engine = engine
         self._ready: dict[int, SeqOutcome] = {}
+        self._ahead: dict[int, DraftAhead] = {}
 
     def submit(self, updates: Sequence[SeqUpdate]) -> None:
         for upd, outcome in zip(updates, self.engine.update(updates), strict=True):
             self._ready[upd.seq_id] = outcome
+        for entry in self.engine.look_ahead():
+            self._ahead[entry.seq_id] = entry
+
+    def ahead(self) -> dict[int, DraftAhead]:
+        entries, self._ahead = self._ahead, {}
+        return entries
 
     def collect(self, wait_for: Collection[int] | None = None) -> dict[int, SeqOutcome]:
         ready, self._ready = self._ready, {}
         return ready
 
     def release(self, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            self._ahead.pop(seq_id, None)
         self.engine.release(seq_ids)

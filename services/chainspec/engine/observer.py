@@ -33,6 +33,8 @@ class VerifierStepRecord:
     kv_usage: float  # KV rows held by running sequences / rows the cache has
     speculative: bool  # a drafter is configured: a VERIFY item without drafts is a fallback
     groups: int = 1  # pipelined groups with running sequences (this step ran one of them)
+    ahead_hits: int = 0  # verdicts a look-ahead guessed exactly: next drafts at once
+    ahead_misses: int = 0  # verdicts that had a look-ahead which guessed wrong
 
 
 class VerifierObserver(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from chainspec.engine.draft_types import DraftResult
+from chainspec.engine.draft_types import DraftAhead, DraftResult
 
 
 class FinishReason(enum.StrEnum):
@@ -71,6 +71,8 @@ class Request:
         self.group = 0  # pipelined group (VerifierConfig.groups), set at admission
         self.num_computed = 0  # positions < num_computed have target KV
         self.drafts: DraftResult | None = None  # proposals for the next verify
+        self.drafts_ahead = False  # `drafts` came from a look-ahead hit (DESIGN 4.8)
+        self.ahead: DraftAhead | None = None  # look-ahead for the round being verified
         self.drafter_synced = False  # the drafter holds this sequence's state
         self.resync_at: int | None = None  # engine step to retry a refused sequence at
         self.resync_backoff = 4

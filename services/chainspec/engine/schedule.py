@@ -22,6 +22,7 @@ class Work:
     start: int  # position of the first row
     tokens: tuple[int, ...]  # input ids of the rows
     num_drafts: int = 0  # VERIFY: how many of `tokens` are drafts
+    ahead: bool = False  # VERIFY: the drafts came from a look-ahead hit (DESIGN 4.8)
 
     @property
     def num_rows(self) -> int:
@@ -42,7 +43,8 @@ def schedule(running: Sequence[Request], budget: int, chunk: int) -> list[Work]:
             continue
         n = req.num_computed
         drafts = req.drafts.tokens.tolist() if req.drafts is not None else []
-        work.append(Work(req, WorkKind.VERIFY, n, (req.tokens[n], *drafts), len(drafts)))
+        work.append(Work(req, WorkKind.VERIFY, n, (req.tokens[n], *drafts), len(drafts),
+                         bool(drafts) and req.drafts_ahead))
         budget -= 1 + len(drafts)
     for req in running:
         if not req.prefilling or req.finished or budget <= 0:

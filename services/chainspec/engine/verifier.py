@@ -50,6 +50,7 @@ class VerifierConfig:
     sampled_drafts: bool = True  # sampled requests get top-k sampled drafts, else greedy
     draft_top_k: int = 8  # support size asked of sampled drafts
     groups: int = 1  # pipelined groups taking turns (1: every running sequence each step)
+    draft_ahead: bool = False  # ask for look-ahead drafts and use them on a hit (4.8)
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -86,6 +87,8 @@ class VerifierEngine:
         self._next_seq_id = 0
         self.resyncs = 0
         self.steps = 0
+        self.ahead_hits = self.ahead_misses = 0  # look-ahead outcomes (cumulative)
+        self._step_ahead = [0, 0]  # this step's hits, misses (for the observer)
         self._turn = 0  # the group whose step is next
 
     # -- requests -------------------------------------------------------------------
@@ -146,6 +149,7 @@ class VerifierEngine:
             self._observe(started, drafts_ready, (), (), outputs)
             return outputs
         result = run_verify(self.model, self.cache, work, self.device)
+        self._take_ahead()  # NOTE: look-aheads that came in during the forward count too
         updates: list[SeqUpdate] = []
         for i, (item, verdict) in enumerate(zip(work, result.verdicts, strict=True)):
             out = self._commit(item, verdict)
@@ -169,7 +173,8 @@ class VerifierEngine:
         self.observer.step_done(VerifierStepRecord(
             started, drafts_ready, time.perf_counter(), work, verdicts, outputs,
             len(self.running), len(self.waiting), kv, self.drafter is not None,
-            max(1, groups)))
+            max(1, groups), *self._step_ahead))
+        self._step_ahead = [0, 0]
 
     def _next_group(self) -> list[Request]:
         """The running sequences whose turn it is (all of them without pipelining)."""
@@ -190,11 +195,15 @@ class VerifierEngine:
         resync: list[SeqUpdate] = []
         wait_for = None if len(group) == len(self.running) else \
             [self.seq_ids[r.request_id] for r in group]
+        if self.config.draft_ahead:  # NOTE: a look-ahead hit needs no wait
+            wait_for = [self.seq_ids[r.request_id] for r in group if not _has_drafts(r)]
         for seq_id, outcome in self.drafter.collect(wait_for).items():
             req = by_seq.get(seq_id)
             if req is None or req.finished:
                 continue
             if isinstance(outcome, DraftResult):
+                if req.drafts_ahead and _has_drafts(req):
+                    continue  # the drafter was told it verifies the look-ahead's drafts
                 if outcome.position != req.num_computed:
                     req.draft_miss = "stale"
                     continue  # stale: proposed for a round that is over
@@ -214,6 +223,7 @@ class VerifierEngine:
             if req.resync_at is not None and req.resync_at <= self.steps and \
                     not req.drafter_synced and not req.finished and req.num_computed > 0:
                 resync.append(self._resync_update(req))
+        self._take_ahead()
         if resync:
             self.drafter.submit(resync)
             for upd in resync:
@@ -283,11 +293,37 @@ class VerifierEngine:
             if item.kind is WorkKind.VERIFY else [verdict.next_token]
         req.num_computed = item.start + (accepted + 1 if item.kind is WorkKind.VERIFY
                                          else item.num_rows)
-        req.drafts = None
+        req.drafts = self._ahead_drafts(req, item.start, new)
+        req.drafts_ahead = req.drafts is not None
         emitted = self._append_until_stop(req, new)
         final = req.finish_reason is not None
         return RequestOutput(req.request_id, tuple(emitted), req.finish_reason,
                              req.stop_string, stats=req.stats if final else None)
+
+    def _ahead_drafts(self, req: Request, start: int, new: list[int]) -> DraftResult | None:
+        """The next round's drafts if the look-ahead for the round at `start` guessed
+        its outcome `new` exactly (a hit), else None."""
+        ahead, req.ahead = req.ahead, None
+        if ahead is None or ahead.base != start:
+            return None
+        hit = ahead.outcome == tuple(new)
+        self.ahead_hits += hit
+        self.ahead_misses += not hit
+        self._step_ahead[0 if hit else 1] += 1
+        return ahead.drafts if hit else None
+
+    def _take_ahead(self) -> None:
+        """Keep each sequence's look-ahead for the round it is about to verify."""
+        if self.drafter is None or not self.config.draft_ahead:
+            return
+        entries = self.drafter.ahead()
+        if not entries:
+            return
+        by_seq = {self.seq_ids[r.request_id]: r for r in self.running}
+        for seq_id, entry in entries.items():
+            req = by_seq.get(seq_id)
+            if req is not None and not req.finished and entry.base == req.num_computed:
+                req.ahead = entry
 
     def _append_until_stop(self, req: Request, new: list[int]) -> list[int]:
         emitted = []
@@ -330,11 +366,19 @@ class VerifierEngine:
         tokens = tuple(req.tokens[item.start + 1: item.start + 1 + rows])
         if item.kind is WorkKind.PREFILL and item.start == 0:
             req.drafter_synced = True
+        ahead = self.config.draft_ahead and verdict is not None
+        verifying = tuple(req.drafts.tokens.tolist()) if ahead and req.drafts_ahead else ()
         return SeqUpdate(self.seq_ids[req.request_id], item.start, tokens, hidden,
-                         want_drafts=verdict is not None, sampling=self._draft_sampling(req))
+                         want_drafts=verdict is not None, sampling=self._draft_sampling(req),
+                         look_ahead=ahead, verifying=verifying)
 
     def _draft_sampling(self, req: Request) -> DraftSampling:
         s = req.sampling
         if s.greedy or not self.config.sampled_drafts:
             return DraftSampling(0.0, 0, s.seed)
         return DraftSampling(s.temperature, self.config.draft_top_k, s.seed)
+
+
+def _has_drafts(req: Request) -> bool:
+    """Drafts are in hand for the round the sequence verifies next."""
+    return req.drafts is not None and req.drafts.position == req.num_computed

@@ -1,0 +1,101 @@
+"""Draft-ahead's hit path on the demo model (DESIGN 4.8): a hit's next round verifies the
+look-ahead's K-1 drafts, the update tells the drafter so, and the step that runs it waits
+for no drafts."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from chainspec.engine import verifier as verifier_module
+from chainspec.engine.draft_client import LocalDraftClient
+from chainspec.engine.drafter import DrafterConfig, DrafterEngine
+from chainspec.engine.local import build_verifier
+from chainspec.engine.request import StopConditions
+from chainspec.engine.runner import run_to_completion
+from chainspec.engine.sampling import SamplingParams
+from chainspec.engine.verifier import VerifierEngine
+
+GREEDY = SamplingParams(temperature=0.0)
+STOP = StopConditions(max_tokens=40, ignore_eos=True)
+
+
+def _engine(demo_models, k: int, client=None, **config) -> VerifierEngine:
+    opts, models = demo_models
+    opts = dataclasses.replace(opts, num_steps=k)
+    eng = build_verifier(models, opts, speculative=client is None)
+    if client is not None:
+        eng.drafter = client
+    eng.config = dataclasses.replace(eng.config, **config)
+    return eng
+
+
+def _plain(demo_models, prompts):
+    opts, models = demo_models
+    eng = build_verifier(models, opts, speculative=False)
+    return [c.tokens for c in run_to_completion(eng, prompts, GREEDY, STOP).completions]
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_hits_verify_the_look_ahead_drafts_and_tell_the_drafter(demo_models, heldout_prompts,
+                                                                 groups, monkeypatch) -> None:
+    prompts = heldout_prompts[:4]
+    eng = _engine(demo_models, 3, draft_ahead=True, groups=groups)
+    sent, verified = [], []
+    submit = eng.drafter.submit
+    monkeypatch.setattr(eng.drafter, "submit", lambda ups: (sent.extend(ups), submit(ups)))
+    run_verify = verifier_module.run_verify
+
+    def spy(model, cache, work, device):
+        verified.extend(w for w in work if w.ahead)
+        return run_verify(model, cache, work, device)
+    monkeypatch.setattr(verifier_module, "run_verify", spy)
+    got = [c.tokens for c in run_to_completion(eng, prompts, GREEDY, STOP).completions]
+    assert got == _plain(demo_models, prompts)
+    # every hit's next round verifies the look-ahead, unless the hit ended its request
+    assert eng.ahead_hits - len(prompts) <= len(verified) <= eng.ahead_hits
+    assert len(verified) > 0
+    assert all(w.num_drafts == 2 for w in verified), "a look-ahead proposes K-1 drafts"
+    told = [u for u in sent if u.verifying]
+    assert len(told) == len(verified), "each hit round's update names its drafts"
+    assert all(len(u.verifying) == 2 and u.look_ahead for u in told)
+
+
+class SlowDrafter(LocalDraftClient):
+    """Exact drafts are due `delay_s` after submit (look-aheads come with them). Logs,
+    per collect, what the step asked to wait for."""
+
+    def __init__(self, engine: DrafterEngine, delay_s: float) -> None:
+        super().__init__(engine)
+        self.delay_s = delay_s
+        self.due: dict[int, float] = {}
+        self.log: list[frozenset[int] | None] = []
+
+    def submit(self, updates) -> None:
+        for u in updates:
+            self.due[u.seq_id] = time.monotonic() + self.delay_s
+        super().submit(updates)
+
+    def collect(self, wait_for=None):
+        self.log.append(None if wait_for is None else frozenset(wait_for))
+        waits = [t for s, t in self.due.items() if wait_for is None or s in wait_for]
+        time.sleep(max(0.0, max(waits, default=0.0) - time.monotonic()))
+        self.due.clear()
+        return super().collect(wait_for)
+
+
+def test_a_hit_round_waits_for_no_drafts(demo_models, heldout_prompts) -> None:
+    opts, models = demo_models
+    client = SlowDrafter(DrafterEngine(models.draft, DrafterConfig(
+        num_steps=3, max_seqs=8, max_len=opts.max_len)), 0.005)
+    eng = _engine(demo_models, 3, client=client, draft_ahead=True)
+    prompts = heldout_prompts[:1]
+    got = [c.tokens for c in run_to_completion(eng, prompts, GREEDY, STOP).completions]
+    assert got == _plain(demo_models, prompts)
+    assert eng.ahead_hits > 0
+    # the step after each hit (and only then) waits for no drafts; a hit on the
+    # request's last round has no step after it
+    assert eng.ahead_hits - 1 <= client.log.count(frozenset()) <= eng.ahead_hits
+    assert all(w == {0} for w in client.log if w), "other steps wait for exact drafts"
