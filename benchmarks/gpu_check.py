@@ -92,18 +92,19 @@ def run_section(name: str, fn, ctx: Context, budget_s: float) -> dict:
     return result
 
 
-def meta(args: argparse.Namespace, ctx: Context) -> dict:
+def meta(ctx: Context, started: str) -> dict:
     try:
         import triton
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
     cuda = ctx.device.type == "cuda"
-    return {"command": shlex.join(["python3", *sys.argv]),
+    env = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
+    return {"command": env + shlex.join(["python3", *sys.argv]),
             "device": torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()})",
             "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
             "python": platform.python_version(), "dtype": str(ctx.dtype),
-            "dry_run": ctx.dry_run, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "dry_run": ctx.dry_run, "started": started}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -126,13 +127,13 @@ def main(argv=None) -> int:
     ctx = Context(torch.device("cpu") if dry else torch.device("cuda"),
                   torch.float32 if dry else torch.bfloat16, dry,
                   repeats=1 if dry else 10, warmup=0 if dry else 3)
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.strftime("%Y-%m-%d %H:%M:%S")
     tests = {"skipped_run": "--skip-tests" if args.skip_tests else "dry run"} \
         if dry or args.skip_tests else run_tests(TESTS_TIMEOUT_S)
     chosen = args.only or list(BUDGETS_S)
     results = {name: run_section(name, fn, ctx, BUDGETS_S[name])
                for name, fn in sections().items() if name in chosen}
-    info = meta(args, ctx) | {"total_s": round(time.monotonic() - t0, 1)}
+    info = meta(ctx, started) | {"total_s": round(time.monotonic() - t0, 1)}
     doc = document(info, tests, results)
     js, md = write(doc, args.out)
     print(f"gpu-check: {'ok' if doc['ok'] else 'FAILED'} in {info['total_s']} s; "
