@@ -13,7 +13,7 @@ Dispatch rule (one call site per kernel, in its public function):
 interpreter runs. NOTE: the interpreter only works when TRITON_INTERPRET=1 was set before
 triton itself was imported (triton.language's own helpers are jit functions too), and it
 then turns every kernel defined in the process into an interpreted one. So tests run it in
-a subprocess (tests/unit/kernels/interpret.py), never in the shared pytest process.
+a subprocess (tests/unit/kernels/interpreted.py), never in the shared pytest process.
 
 `aot_compile` builds a cubin for an sm_XX target without a GPU (Triton's own compiler and
 the ptxas it ships) and reads shared memory, registers and spills, for tests that keep

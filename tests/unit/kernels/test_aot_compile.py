@@ -3,7 +3,9 @@ compiler (no GPU needed) and fits the target: a non-empty cubin, shared memory w
 per-block limit, at most 255 registers per thread and no spills.
 
 Kernel authors: add one `AotCase` per representative variant to CASES (the kernel named as
-"module:attribute" so this file imports without triton); each runs on both targets.
+"module:attribute" so this file imports without triton); each runs on both targets. Pass
+the launch's num_warps/num_stages, and name in `divisible` the int arguments (strides) that
+are multiples of 16 at run time, as Triton's launcher specialises them.
 """
 
 from __future__ import annotations
