@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from chainspec.engine import acceptance as rules
+from chainspec.kernels import acceptance as kernels
 from chainspec.kernels import hidden_quant as hq
 from chainspec.kernels.mtp_input import fused_mtp_input, fused_mtp_input_reference
 from tests.unit.kernels.test_acceptance_kernel import _greedy_case, _sampled_case
@@ -32,7 +33,7 @@ def _cuda(args):
 def test_greedy_acceptance(k: int, v: int) -> None:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         args = _cuda(_greedy_case(100 * k + v, 16, k, v, dtype))
-        got, want = rules.accept_greedy(*args), rules.accept_greedy_reference(*args)
+        got, want = kernels.accept_greedy(*args), rules.accept_greedy_reference(*args)
         assert all(torch.equal(a, w) for a, w in zip(got, want, strict=True)), (dtype,)
 
 
@@ -41,7 +42,7 @@ def test_greedy_acceptance(k: int, v: int) -> None:
 @pytest.mark.parametrize("top", (None, 1, 3, 8))
 def test_sampled_acceptance(k: int, v: int, top: int | None) -> None:
     args = _cuda(_sampled_case(1000 * k + v + (top or 0), 64, k, v, top))
-    got, want = rules.accept_sampled(*args), rules.accept_sampled_reference(*args)
+    got, want = kernels.accept_sampled(*args), rules.accept_sampled_reference(*args)
     assert all(torch.equal(a, w) for a, w in zip(got, want, strict=True))
 
 
@@ -59,7 +60,8 @@ def test_hidden_quant_bit_exact(qdtype, dtype, shape) -> None:
                            hq.dequantize_rows_reference(q, scale, out))
 
 
-RTOL = {torch.float32: 1e-5, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+# two roundings to the output dtype (normalized row, then times the weight)
+RTOL = {torch.float32: 1e-5, torch.float16: 2.0 ** -9, torch.bfloat16: 2.0 ** -6}
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16))

@@ -8,8 +8,9 @@ Sampled rule (Leviathan et al. 2023, Chen et al. 2023): accept d_i with probabil
 min(1, p(d_i) / q(d_i)); at the first rejection draw from normalize(max(p - q, 0)); after
 all drafts are accepted draw the bonus from p. q is a point mass on d_i (greedy drafts:
 `draft_support` None) or a top-k-truncated distribution given as support/probs [B, K, k].
-`accept_greedy` and `accept_sampled` run one Triton kernel (kernels/acceptance.py) on CUDA
-and the `*_reference` torch code here elsewhere; the reference is the kernel's oracle.
+`accept_greedy` and `accept_sampled` dispatch to one Triton launch (kernels/acceptance.py)
+on CUDA when that module's ENABLED is set (off: measured slower, see there), and to the
+`*_reference` torch code here otherwise; the reference is the kernel's oracle.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def accept_greedy(target: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """target logits [B, K+1, V] or argmax ids [B, K+1]; drafts [B, K]; num_drafts [B] ->
     accepted_len [B] (drafts accepted while d_i == argmax row i), bonus [B] = argmax row j."""
-    if target.dim() == 3 and use_kernel(target):  # one Triton launch on CUDA
+    if acceptance_kernels.ENABLED and target.dim() == 3 and use_kernel(target):
         return acceptance_kernels.accept_greedy(target, drafts, num_drafts)
     return accept_greedy_reference(target, drafts, num_drafts)
 
@@ -47,7 +48,7 @@ def accept_sampled(target_probs: torch.Tensor, drafts: torch.Tensor,
     """target_probs [B, K+1, V]; drafts [B, K]; draft_support/draft_probs [B, K, k] or None
     (point mass); num_drafts [B]; accept_uniform U(0,1) [B, K]; sample_noise Exp(1) [B, V]
     -> accepted_len [B], next_token [B] (residual sample after a rejection, else bonus)."""
-    if use_kernel(target_probs):  # one Triton launch on CUDA
+    if acceptance_kernels.ENABLED and use_kernel(target_probs):
         return acceptance_kernels.accept_sampled(target_probs, drafts, draft_support,
                                                  draft_probs, num_drafts, accept_uniform,
                                                  sample_noise)

@@ -48,7 +48,9 @@ def quantize_rows_reference(x: torch.Tensor, qdtype: torch.dtype = torch.int8
     x = x.float()  # [T, H]
     qmax = QMAX[qdtype]
     absmax = x.abs().amax(dim=1) if x.numel() else x.new_zeros(x.shape[0])  # [T]
-    scale = absmax / qmax  # [T]; 0 for an all-zero row, which then decodes to 0
+    # [T]; 0 for an all-zero row, which then decodes to 0. NOTE: a tensor divisor: torch
+    # on CUDA divides by a Python scalar as a multiply by its reciprocal (not IEEE)
+    scale = absmax / torch.full_like(absmax, qmax)
     # NOTE: divide, not multiply by qmax / absmax: that overflows for subnormal rows.
     y = (x / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-qmax, qmax)  # [T, H]
     if qdtype == torch.int8:
