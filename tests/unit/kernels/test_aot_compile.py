@@ -71,11 +71,11 @@ _SAMPLED = {"p_ptr": "*fp32", "drafts_ptr": "*i64", "sup_ptr": "*i64", "q_ptr": 
 CASES += [
     AotCase("accept_greedy_bf16", _ACCEPT + "_greedy_kernel",
             {"logits_ptr": "*bf16", "drafts_ptr": "*i64", "nd_ptr": "*i64", "acc_ptr": "*i64",
-             "bonus_ptr": "*i64", "K": "i32", "V": "i32"}, {"BLOCK_V": 1024}),
+             "bonus_ptr": "*i64", "K": "i32", "V": "i32"}, {"BLOCK_V": 4096}, num_warps=8),
     AotCase("accept_sampled_topk8", _ACCEPT + "_sampled_kernel", _SAMPLED,
-            {"HAS_SUPPORT": True, "TOP": 8, "BLOCK_V": 1024}),
+            {"HAS_SUPPORT": True, "TOP": 8, "BLOCK_V": 2048}, num_warps=8),
     AotCase("accept_sampled_point_mass", _ACCEPT + "_sampled_kernel", _SAMPLED,
-            {"HAS_SUPPORT": False, "TOP": 2, "BLOCK_V": 1024}),
+            {"HAS_SUPPORT": False, "TOP": 2, "BLOCK_V": 4096}, num_warps=8),
 ]
 
 
