@@ -100,24 +100,27 @@ def verify_step_section(ctx: Context, budget: Budget) -> dict:
     model = load_target(DEMO_MODEL, ctx.dtype, ctx.device, cache_len=max_len)
     cfg = model.config
     cache = _kv_cache(cfg.num_layers, max_seqs, max_len, cfg, ctx)
-    graph_step = _verify_graph_step(model, cache, max_seqs, ctx)
+    graph_step, captured = _verify_graph_step(model, cache, max_seqs, max_len, ctx) \
+        or (None, False)
 
     @torch.inference_mode()
     def measure(batch: int) -> dict:
         work = _verify_work(batch, context, max_len, cfg.vocab_size)
+        eager = run_verify(model, cache, work, ctx.device)
         e = median_ms(lambda: run_verify(model, cache, work, ctx.device), ctx)
         row = {"batch": batch, "rows": batch * (K + 1), "eager_ms": e,
                "rows_per_s": batch * (K + 1) / e * 1e3}
         if graph_step is not None:
+            same = graph_step(work).verdicts == eager.verdicts
             g = median_ms(lambda: graph_step(work), ctx)
-            row.update(graph_ms=g, speedup=e / g)
+            row.update(graph_ms=g, speedup=e / g, same_verdicts=same)
         return row
 
     out = each_size(default_buckets(max_seqs), budget, measure)
     out.update(k=K, context=context, model="demo target", dtype=str(ctx.dtype),
                kv_layout="paged" if PAGED else "slots",
-               graphs="captured" if graph_step else
-               skipped(f"{VERIFY_GRAPHS} is not on main yet")["skipped"])
+               graphs="captured" if captured else "static path, eager (CPU)" if graph_step
+               else skipped(f"{VERIFY_GRAPHS} is not on main yet")["skipped"])
     return out
 
 
@@ -139,9 +142,16 @@ def _verify_work(batch: int, context: int, max_len: int, vocab: int) -> list[Wor
     return work
 
 
-def _verify_graph_step(model, cache, max_seqs: int, ctx: Context):
-    """A callable `(work) -> None` replaying captured verify steps, or None while the
-    captured verifier (helper P's `engine/verify_graphs.py`) is not on main."""
+def _verify_graph_step(model, cache, max_seqs: int, max_len: int, ctx: Context):
+    """`(work) -> StepResult` through captured verify steps (`VerifyGraphs`, its static
+    path run eagerly on CPU), and whether it captured; None while it is not on main."""
     if importlib.util.find_spec(VERIFY_GRAPHS) is None:
         return None
-    raise NotImplementedError(f"{VERIFY_GRAPHS} landed: wire its runner in here")
+    from chainspec.engine.verify_graphs import VerifyGraphs
+    extra = {"static_on_cpu": ctx.dry_run} \
+        if "static_on_cpu" in inspect.signature(VerifyGraphs).parameters else {}
+    graphs = VerifyGraphs(model, cache, max_seqs=max_seqs, num_steps=K, max_len=max_len,
+                          use_graphs=True, **extra)
+    graphs.capture()
+    return (lambda work: run_verify(model, cache, work, ctx.device, graphs=graphs)), \
+        bool(graphs.graphs)
