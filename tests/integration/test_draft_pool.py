@@ -74,9 +74,9 @@ def drafters(loop, models):
         loop.run(srv.stop(0))
 
 
-def _run(target, client, ps, batch_size: int):
+def _run(target, client, ps, batch_size: int, draft_ahead: bool = False):
     got, stats = [], []
-    eng = engine(target, client=client, k=K)
+    eng = engine(target, client=client, k=K, draft_ahead=draft_ahead)
     for i in range(0, len(ps), batch_size):
         out, result = outputs(eng, ps[i:i + batch_size], MAX_TOKENS)
         got += out
@@ -141,6 +141,22 @@ def test_equals_plain_and_the_in_process_drafter(models, batch, plain, drafters,
     assert wait_until(lambda: all(s.engine.load == 0 for s in servers)), "released"
 
 
+def test_draft_ahead_over_grpc_equals_plain(models, batch, plain, drafters) -> None:
+    """Look-ahead responses cross the wire and reach the verifier before its verdicts
+    (hits and misses are counted only for look-aheads that did); output stays plain."""
+    target, _ = models
+    servers = drafters(2)
+    client = GrpcDraftClient([s.address for s in servers], round_deadline_s=PATIENT)
+    try:
+        got, _, eng = _run(target, client, batch, 8, draft_ahead=True)
+    finally:
+        client.close()
+    assert got == plain
+    assert client.stats.ahead_entries > 0
+    assert eng.ahead_hits + eng.ahead_misses > 0
+    assert client.stats.local_failures == 0
+
+
 def test_two_drafters_share_sequences(models, batch, plain, drafters) -> None:
     a, b = drafters(2)
     client = GrpcDraftClient([a.address, b.address], round_deadline_s=PATIENT)
@@ -184,15 +200,18 @@ def _spawn_drafter(model_dir) -> tuple[subprocess.Popen, str]:
     return proc, line.split()[-1]
 
 
-@pytest.mark.parametrize("groups", [1, 2])
-def test_drafter_killed_mid_run(models, model_dir, batch, plain, drafters, groups) -> None:
-    """SIGKILL one drafter process (also during pipelined rounds): every request completes
-    with plain's output, and the lost drafter's sequences resync onto the survivor."""
+@pytest.mark.parametrize("groups,draft_ahead", [(1, False), (2, False), (1, True)])
+def test_drafter_killed_mid_run(models, model_dir, batch, plain, drafters, groups,
+                                draft_ahead) -> None:
+    """SIGKILL one drafter process (also during pipelined rounds, and with draft-ahead):
+    every request completes with plain's output, and the lost drafter's sequences resync
+    onto the survivor."""
     proc, victim = _spawn_drafter(model_dir)
     try:
         (survivor,) = drafters(1)
         client = GrpcDraftClient([victim, survivor.address], round_deadline_s=PATIENT)
-        drive = Driver(engine(models[0], client=client, k=K, groups=groups))
+        drive = Driver(engine(models[0], client=client, k=K, groups=groups,
+                              draft_ahead=draft_ahead))
         ids = drive.add(batch, "r")
         drive.step_until(lambda: sum(client.loads().values()) == 8)
         drive.step(2)

@@ -135,11 +135,17 @@ class DrafterEngine:
             self._observe(started, windows, eager_reason, outcomes)
         return outcomes  # type: ignore[return-value]
 
-    @torch.inference_mode()
-    def look_ahead(self) -> list[DraftAhead]:
-        """Draft-ahead entries for the sequences whose last `update` asked for them
-        (lookahead.py); call after answering that update. Changes no sequence state."""
+    def pending_ahead(self) -> list[AheadSource]:
+        """The look-aheads the last `update` asked for (and forget them)."""
         todo, self._ahead = self._ahead, []
+        return todo
+
+    @torch.inference_mode()
+    def look_ahead(self, todo: list[AheadSource] | None = None) -> list[DraftAhead]:
+        """Draft-ahead entries (lookahead.py) for `todo`, by default those the last
+        `update` asked for; call after answering that update. Sources whose sequence
+        moved on or left since are skipped. Changes no sequence state."""
+        todo = self.pending_ahead() if todo is None else todo
         K = self.config.num_steps
         todo = [src for src in todo if src.seq_id in self.seqs and
                 self.seqs[src.seq_id].next_start == src.base and

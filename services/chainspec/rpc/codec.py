@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import torch
 
+from chainspec.kernels.hidden_quant import quantize_rows
 from chainspec.rpc.generated.v1 import tensor_pb2 as tensor_pb
 
 
@@ -75,7 +76,6 @@ _DEFAULT_WIRE = {torch.float32: WireDType.F32, torch.float16: WireDType.F16,
                  torch.bfloat16: WireDType.BF16, torch.int32: WireDType.INT32,
                  torch.int64: WireDType.INT32}
 _BY_NUMBER = {d.value: d for d in WireDType}
-_QMAX = {WireDType.INT8: 127.0, WireDType.FP8_E4M3: 448.0}
 # All 256 e4m3fn codes as float32 (0x7f and 0xff are NaN), for a numpy-only decode.
 _FP8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(
     torch.float8_e4m3fn).float().numpy()
@@ -182,16 +182,12 @@ def _convert(x: torch.Tensor, wire: WireDType) -> torch.Tensor:
 
 
 def _quantize(x: torch.Tensor, wire: WireDType) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric quantization of x [rows, cols]: (codes [rows, cols], scales [rows])."""
-    x = x.to(torch.float32)
-    absmax = x.abs().amax(dim=1) if x.numel() else x.new_zeros(x.shape[0])  # [rows]
-    qmax = _QMAX[wire]
-    scale = absmax / qmax  # [rows]; 0 for an all-zero row, which then decodes to 0
-    # NOTE: divide, not multiply by qmax / absmax: that overflows for subnormal rows.
-    y = (x / torch.where(scale > 0, scale, 1.0)[:, None]).clamp_(-qmax, qmax)  # [rows, cols]
+    """Per-row symmetric quantization of x [rows, cols]: (codes [rows, cols], scales [rows]);
+    a Triton kernel where x is on CUDA (kernels/hidden_quant), torch elsewhere."""
     if wire is WireDType.INT8:
-        return y.round_().to(torch.int8), scale
-    return y.to(torch.float8_e4m3fn).view(torch.uint8), scale
+        return quantize_rows(x, torch.int8)
+    q, scale = quantize_rows(x, torch.float8_e4m3fn)
+    return q.view(torch.uint8), scale
 
 
 # ---------------------------------------------------------------------------- decode

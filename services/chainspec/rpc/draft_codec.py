@@ -15,6 +15,7 @@ import torch
 
 from chainspec.engine.draft_types import (
     GREEDY,
+    DraftAhead,
     DraftBatch,
     DraftReply,
     DraftResult,
@@ -83,6 +84,9 @@ def _fill_update(out: pb.SequenceUpdate, u: SeqUpdate) -> None:
         out.sampling.temperature, out.sampling.top_k = u.sampling.temperature, u.sampling.top_k
         if u.sampling.seed is not None:
             out.sampling.seed = u.sampling.seed
+    if u.want_drafts and u.look_ahead:
+        out.look_ahead = True
+        out.verifying.extend(u.verifying)
 
 
 def encode_update(u: SeqUpdate, hidden_dtype: WireDType | str = WireDType.F32) -> pb.SequenceUpdate:
@@ -132,9 +136,10 @@ def decode_sampling(msg: pb.DraftSampling, limits: DraftLimits, name: str) -> Dr
 
 
 def _check_update(msg: pb.SequenceUpdate, limits: DraftLimits, name: str
-                  ) -> tuple[tuple[int, ...], WireDType, bytes, DraftSampling]:
+                  ) -> tuple[tuple[int, ...], WireDType, bytes, DraftSampling, dict]:
     """Everything of one update but its elements: (tokens, hidden's wire dtype and
-    bytes, sampling). Raises WireError(INVALID_ARGUMENT) naming the field."""
+    bytes, sampling, look-ahead fields). Raises WireError(INVALID_ARGUMENT) naming the
+    field."""
     tokens = check_tokens(msg.tokens, limits.vocab_size, name=f"{name}.tokens", min_count=1)
     if not msg.HasField("hidden"):
         raise invalid(f"{name}.hidden: missing; {len(tokens)} token(s) need {len(tokens)} rows")
@@ -147,14 +152,26 @@ def _check_update(msg: pb.SequenceUpdate, limits: DraftLimits, name: str
     sampling = GREEDY
     if msg.want_drafts and msg.HasField("sampling"):
         sampling = decode_sampling(msg.sampling, limits, f"{name}.sampling")
-    return tuple(tokens), wire, data, sampling
+    return tuple(tokens), wire, data, sampling, _look_ahead(msg, limits, name)
+
+
+def _look_ahead(msg: pb.SequenceUpdate, limits: DraftLimits, name: str) -> dict:
+    """SeqUpdate's look-ahead fields of `msg` (keyword arguments)."""
+    if not (msg.want_drafts and msg.look_ahead):
+        return {}
+    verifying = check_tokens(msg.verifying, limits.vocab_size, name=f"{name}.verifying")
+    if len(verifying) > limits.num_draft_tokens:
+        raise invalid(f"{name}.verifying: {len(verifying)} tokens; at most K = "
+                      f"{limits.num_draft_tokens}")
+    return {"look_ahead": True, "verifying": tuple(verifying)}
 
 
 def decode_update(msg: pb.SequenceUpdate, limits: DraftLimits, name: str = "update") -> SeqUpdate:
     """Validate one update; raises WireError(INVALID_ARGUMENT) naming the field."""
-    tokens, _, _, sampling = _check_update(msg, limits, name)
+    tokens, _, _, sampling, ahead = _check_update(msg, limits, name)
     (hidden,) = to_tensors([decode_array(msg.hidden, name=f"{name}.hidden")])
-    return SeqUpdate(msg.seq_id, msg.start, tokens, hidden, msg.want_drafts, sampling)
+    return SeqUpdate(msg.seq_id, msg.start, tokens, hidden, msg.want_drafts, sampling,
+                     **ahead)
 
 
 def decode_draft_request(msg: pb.DraftRequest,
@@ -165,7 +182,7 @@ def decode_draft_request(msg: pb.DraftRequest,
     (one copy, one finiteness check); each update's `hidden` is a view of its rows.
     """
     checked: list[tuple[int, pb.SequenceUpdate, tuple[int, ...], WireDType, bytes,
-                        DraftSampling]] = []
+                        DraftSampling, dict]] = []
     failures: list[SeqFailure] = []
     seen: set[int] = set()
     for i, u in enumerate(msg.updates):
@@ -180,8 +197,9 @@ def decode_draft_request(msg: pb.DraftRequest,
     hidden = _packed_hidden_rows(checked, limits.hidden_size)
     if hidden is None:  # mixed dtypes or a bad value: one by one, naming the culprit
         checked, hidden = _decode_each(checked, failures)
-    updates = tuple(SeqUpdate(u.seq_id, u.start, tokens, h, u.want_drafts, sampling)
-                    for (_, u, tokens, _, _, sampling), h in zip(checked, hidden, strict=True))
+    updates = tuple(SeqUpdate(u.seq_id, u.start, tokens, h, u.want_drafts, sampling, **ahead)
+                    for (_, u, tokens, _, _, sampling, ahead), h in zip(checked, hidden,
+                                                                       strict=True))
     return DraftBatch(msg.batch_id, updates, tuple(msg.releases)), tuple(failures)
 
 
@@ -286,12 +304,15 @@ def _check_support(tokens: torch.Tensor, support: torch.Tensor, probs: torch.Ten
                       f"support[{bad}]")
 
 
-def decode_drafts(msg: pb.Drafts, limits: DraftLimits, name: str = "drafts") -> DraftResult:
-    """Validate one sequence's drafts; raises WireError(INVALID_ARGUMENT) naming the field."""
-    K = limits.num_draft_tokens
+def decode_drafts(msg: pb.Drafts, limits: DraftLimits, name: str = "drafts",
+                  count: int | None = None) -> DraftResult:
+    """Validate one sequence's drafts (K of them, or `count`); raises
+    WireError(INVALID_ARGUMENT) naming the field."""
+    K = limits.num_draft_tokens if count is None else count
     ids = check_tokens(msg.tokens, limits.vocab_size, name=f"{name}.tokens")
     if len(ids) != K:
-        raise invalid(f"{name}.tokens: expected K = {K} drafts, got {len(ids)}")
+        what = f"K = {K}" if count is None else f"{K}"
+        raise invalid(f"{name}.tokens: expected {what} drafts, got {len(ids)}")
     tokens = torch.tensor(ids, dtype=torch.int64)  # [K]
     if msg.HasField("support") != msg.HasField("probs"):
         raise invalid(f"{name}: support and probs must both be set or both be absent")
@@ -310,11 +331,48 @@ def decode_drafts(msg: pb.Drafts, limits: DraftLimits, name: str = "drafts") -> 
     return DraftResult(msg.seq_id, msg.position, tokens, support, probs, msg.draft_time_s)
 
 
+def encode_ahead_response(batch_id: int, entries: list[DraftAhead]) -> pb.DraftResponse:
+    """The look-ahead response to batch `batch_id` (it follows the batch's answer)."""
+    msg = pb.DraftResponse(batch_id=batch_id, look_ahead=True)
+    for e in entries:
+        out = msg.ahead.add()
+        out.seq_id, out.base = e.seq_id, e.base
+        out.outcome.extend(e.outcome)
+        fill = pb.SequenceResult()
+        _fill_result(fill, e.drafts, None)
+        out.drafts.CopyFrom(fill.drafts)
+    return msg
+
+
+def decode_ahead(msg: pb.LookAhead, limits: DraftLimits, name: str) -> DraftAhead:
+    """One look-ahead entry; raises WireError(INVALID_ARGUMENT) naming the field."""
+    K = limits.num_draft_tokens
+    outcome = check_tokens(msg.outcome, limits.vocab_size, name=f"{name}.outcome")
+    if not 2 <= len(outcome) <= K + 1:
+        raise invalid(f"{name}.outcome: {len(outcome)} tokens; expected 2..{K + 1}")
+    if msg.drafts.seq_id != msg.seq_id or \
+            msg.drafts.position != msg.base + len(outcome):
+        raise invalid(f"{name}.drafts: seq_id {msg.drafts.seq_id} at position "
+                      f"{msg.drafts.position} do not follow seq {msg.seq_id}'s outcome "
+                      f"at {msg.base} + {len(outcome)}")
+    drafts = decode_drafts(msg.drafts, limits, f"{name}.drafts", count=K - 1)
+    return DraftAhead(msg.seq_id, msg.base, tuple(outcome), drafts)
+
+
 def decode_draft_response(msg: pb.DraftResponse, limits: DraftLimits) -> DraftReply:
     """Drafts and failures; drafts that fail validation become INVALID_ARGUMENT failures.
 
     Greedy drafts (K tokens, no support) are range-checked for the whole reply at once.
+    A look-ahead response decodes to its entries; a bad entry is dropped (it is a guess).
     """
+    if msg.look_ahead:
+        entries = []
+        for i, e in enumerate(msg.ahead):
+            try:
+                entries.append(decode_ahead(e, limits, f"ahead[{i}]"))
+            except WireError:
+                continue
+        return DraftReply(msg.batch_id, (), tuple(entries))
     results: list[SeqOutcome | None] = []
     greedy: list[tuple[int, int, pb.Drafts]] = []  # (index in results, in msg, drafts)
     ids: list[int] = []

@@ -49,6 +49,7 @@ class DraftPoolStats:
     stream_failures: int = 0  # drafter streams that broke
     reassignments: int = 0  # sequences given to a drafter again after losing theirs
     reconnects: int = 0  # links to a wanted drafter opened again after a failure
+    ahead_entries: int = 0  # look-ahead entries received (DESIGN 4.8)
 
 
 class PoolObserver(Protocol):

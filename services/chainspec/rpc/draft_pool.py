@@ -32,6 +32,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chainspec.engine.draft_types import (
+    DraftAhead,
     DraftBatch,
     ErrorCode,
     SeqFailure,
@@ -96,6 +97,7 @@ class GrpcDraftClient:
         self._homeless: set[int] = set()  # found no drafter at their last start = 0
         self._lost: set[int] = set()  # lost their drafter; the next one is a reassignment
         self._ready: dict[int, SeqOutcome] = {}
+        self._ahead: dict[int, DraftAhead] = {}  # look-ahead entries (DESIGN 4.8)
         self._batch_ids = itertools.count(1)
         self._closed = False
         if endpoints:
@@ -257,10 +259,16 @@ class GrpcDraftClient:
             ready, self._ready = self._ready, {}
             return ready
 
+    def ahead(self) -> dict[int, DraftAhead]:
+        with self._cond:
+            entries, self._ahead = self._ahead, {}
+            return entries
+
     def release(self, seq_ids: Sequence[int]) -> None:
         with self._cond:
             for seq_id in seq_ids:
                 self._ready.pop(seq_id, None)
+                self._ahead.pop(seq_id, None)
                 self._homeless.discard(seq_id)
                 self._lost.discard(seq_id)
                 link = self._owner.pop(seq_id, None)
@@ -353,7 +361,10 @@ class GrpcDraftClient:
                     self.trace.mark(msg.batch_id, "v_decoded")
                 with self._cond:
                     self.stats.bytes_received += size
-                    self._on_reply(link, reply.batch_id, reply.results)
+                    if msg.look_ahead:
+                        self._on_ahead(link, reply.ahead)
+                    else:
+                        self._on_reply(link, reply.batch_id, reply.results)
                     self._cond.notify_all()
         except grpc.RpcError as e:
             error = e
@@ -388,6 +399,12 @@ class GrpcDraftClient:
             self._ready[out.seq_id] = out
         if link.state is LinkState.DRAINING and not link.seqs and not link.outstanding:
             link.half_close()
+
+    def _on_ahead(self, link: Link, entries: Sequence[DraftAhead]) -> None:
+        self.stats.ahead_entries += len(entries)
+        for e in entries:
+            if self._owner.get(e.seq_id) is link:  # not released or moved since
+                self._ahead[e.seq_id] = e
 
     def _on_stream_end(self, link: Link, error: grpc.RpcError | None) -> None:
         link.open = False

@@ -37,12 +37,14 @@ from chainspec.engine.draft_types import (
 )
 from chainspec.engine.drafter import DrafterEngine
 from chainspec.engine.fingerprint import model_fingerprint
+from chainspec.engine.lookahead import AheadSource
 from chainspec.metrics.drafter import DrafterMetrics
 from chainspec.rpc.codec import WireError, invalid
 from chainspec.rpc.draft_codec import (
     MAX_SEQS_KEY,
     DraftLimits,
     decode_draft_request,
+    encode_ahead_response,
     encode_draft_response,
 )
 from chainspec.rpc.generated.v1 import drafter_pb2 as pb
@@ -115,9 +117,14 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                     self.trace.mark(request.batch_id, "d_recv")
                 # NOTE: on the loop's thread (the engine's); see the module docstring
                 response = self.answer(stream, request)
+                pending = self.engine.pending_ahead()  # NOTE: before another stream's round
                 if self.trace is not None:
                     self.trace.mark(request.batch_id, "d_send")
                 yield response
+                if pending:  # draft-ahead: after the answer is on its way (DESIGN 4.8)
+                    ahead = self.look_ahead(stream, request.batch_id, pending)
+                    if ahead is not None:
+                        yield ahead
         finally:
             self._release_stream(stream)
 
@@ -196,8 +203,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 if u.start == 0:
                     stream.ids[u.seq_id] = eid
                     fresh.add(u.seq_id)
-            scoped.append(SeqUpdate(eid, u.start, u.tokens, u.hidden, u.want_drafts,
-                                    u.sampling))
+            scoped.append(replace(u, seq_id=eid))
             admitted.append(u)
         t0 = time.perf_counter()
         outcomes = self.engine.update(scoped) if scoped else []
@@ -209,6 +215,15 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             if isinstance(out, SeqFailure) or u.want_drafts:
                 results.append(_unscoped(out, u.seq_id, eu.seq_id, elapsed))
         return results
+
+    def look_ahead(self, stream: _Stream, batch_id: int,
+                   pending: list[AheadSource]) -> pb.DraftResponse | None:
+        """The look-ahead response to `batch_id`, under the verifier's ids."""
+        back = {eid: sid for sid, eid in stream.ids.items()}
+        entries = [replace(e, seq_id=back[e.seq_id],
+                           drafts=replace(e.drafts, seq_id=back[e.seq_id]))
+                   for e in self.engine.look_ahead(pending) if e.seq_id in back]
+        return encode_ahead_response(batch_id, entries) if entries else None
 
     def _refuse(self, stream: _Stream, updates: Sequence[SeqUpdate]) -> list[SeqFailure]:
         self._release(stream, [u.seq_id for u in updates])

@@ -32,20 +32,24 @@ class DraftSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("seq_id", "start", "tokens", "hidden", "want_drafts", "sampling")
+    __slots__ = ("seq_id", "start", "tokens", "hidden", "want_drafts", "sampling", "look_ahead", "verifying")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     WANT_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LOOK_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    VERIFYING_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     hidden: _tensor_pb2.Tensor
     want_drafts: bool
     sampling: DraftSampling
-    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_drafts: _Optional[bool] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ...) -> None: ...
+    look_ahead: bool
+    verifying: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_drafts: _Optional[bool] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., look_ahead: _Optional[bool] = ..., verifying: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("batch_id", "updates", "releases")
@@ -93,13 +97,29 @@ class SequenceResult(_message.Message):
     error: SequenceError
     def __init__(self, drafts: _Optional[_Union[Drafts, _Mapping]] = ..., error: _Optional[_Union[SequenceError, _Mapping]] = ...) -> None: ...
 
+class LookAhead(_message.Message):
+    __slots__ = ("seq_id", "base", "outcome", "drafts")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    base: int
+    outcome: _containers.RepeatedScalarFieldContainer[int]
+    drafts: Drafts
+    def __init__(self, seq_id: _Optional[int] = ..., base: _Optional[int] = ..., outcome: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Union[Drafts, _Mapping]] = ...) -> None: ...
+
 class DraftResponse(_message.Message):
-    __slots__ = ("batch_id", "results")
+    __slots__ = ("batch_id", "results", "ahead", "look_ahead")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
+    LOOK_AHEAD_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     results: _containers.RepeatedCompositeFieldContainer[SequenceResult]
-    def __init__(self, batch_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ...) -> None: ...
+    ahead: _containers.RepeatedCompositeFieldContainer[LookAhead]
+    look_ahead: bool
+    def __init__(self, batch_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[SequenceResult, _Mapping]]] = ..., ahead: _Optional[_Iterable[_Union[LookAhead, _Mapping]]] = ..., look_ahead: _Optional[bool] = ...) -> None: ...
 
 class DrafterInfoRequest(_message.Message):
     __slots__ = ()
