@@ -99,3 +99,35 @@ def test_a_hit_round_waits_for_no_drafts(demo_models, heldout_prompts) -> None:
     # request's last round has no step after it
     assert eng.ahead_hits - 1 <= client.log.count(frozenset()) <= eng.ahead_hits
     assert all(w == {0} for w in client.log if w), "other steps wait for exact drafts"
+
+
+def test_metrics_count_hits_misses_and_look_ahead_acceptance(demo_models,
+                                                             heldout_prompts) -> None:
+    from chainspec.metrics.verifier import VerifierMetrics
+
+    vm = VerifierMetrics("demo", 3)
+    eng = _engine(demo_models, 3, draft_ahead=True)
+    eng.observer = vm
+    verified = []
+    run_verify = verifier_module.run_verify
+
+    def spy(model, cache, work, device):
+        result = run_verify(model, cache, work, device)
+        verified.extend((w, v.accepted) for w, v in zip(work, result.verdicts, strict=True)
+                        if w.ahead)
+        return result
+    verifier_module.run_verify = spy
+    try:
+        run_to_completion(eng, heldout_prompts[:6], GREEDY, STOP)
+    finally:
+        verifier_module.run_verify = run_verify
+
+    def value(name: str, **labels) -> float:
+        return vm.registry.get_sample_value(name, {"model": "demo", **labels}) or 0.0
+    assert value("chainspec_draft_ahead_verdicts_total", result="hit") == eng.ahead_hits > 0
+    assert value("chainspec_draft_ahead_verdicts_total", result="miss") == eng.ahead_misses
+    assert value("chainspec_draft_ahead_draft_tokens_total") == 2 * len(verified)
+    per_pos = [value("chainspec_draft_ahead_accepted_tokens_per_pos_total", position=str(i))
+               for i in range(2)]
+    assert per_pos == [sum(a > i for _, a in verified) for i in range(2)]
+    assert per_pos[0] >= per_pos[1] > 0

@@ -49,6 +49,12 @@ def test_remote_is_the_default_and_keeps_the_drafter_group():
     config = stack_config(docs)
     assert (str(config.drafter.mode), config.drafter.replicas) == ("remote", 0)  # minReplicas
     assert config.pipeline_groups == 1
+    assert config.draft_ahead is False
+
+
+def test_draft_ahead_reaches_the_stack_config():
+    config = stack_config(template("--set", "stack.draftAhead=true"))
+    assert config.draft_ahead is True
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -57,6 +63,7 @@ def test_remote_is_the_default_and_keeps_the_drafter_group():
     (("--set", "drafter.mode=local", "--set", "drafter.autoscaling=true"),
      "drafter.autoscaling needs drafter.mode remote"),
     (("--set", "stack.pipelineGroups=0"), "stack.pipelineGroups"),
+    (("--set-string", "stack.draftAhead=yes"), "stack.draftAhead"),
 ])
 def test_meaningless_values_are_refused(args, needle):
     with pytest.raises(HelmError) as e:

@@ -176,7 +176,7 @@ class VerifierActor(_ServiceActor):
         c = self.config
         opts = VerifierOptions(model=c.local_options(self.role), max_waiting=c.max_waiting,
                                draft_deadline_s=c.draft_deadline_s, drafter=c.drafter.mode,
-                               groups=c.pipeline_groups)
+                               groups=c.pipeline_groups, draft_ahead=c.draft_ahead)
         server = await serve_verifier(opts, self.server_options(), client=c.client_options(),
                                       metrics=VerifierMetrics(opts.name, c.num_steps),
                                       on_failure=self._engine_failed)

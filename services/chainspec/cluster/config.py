@@ -123,6 +123,7 @@ class StackConfig:
     draft_deadline_s: float = 0.05
     max_waiting: int = 64
     pipeline_groups: int = 1  # verifier groups taking turns (DESIGN 4.8); 1: off
+    draft_ahead: bool = False  # verifiers use drafters' look-ahead drafts on a hit (4.8)
 
     def __post_init__(self) -> None:
         LocalOptions(Path(self.model_dir), self.num_steps, self.chain, self.max_seqs,

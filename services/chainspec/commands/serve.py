@@ -36,7 +36,7 @@ API_KEY_ENV = "CHAINSPEC_API_KEY"
 _STACK_FLAGS = {"model": "model_dir", "k": "num_steps", "max_seqs": "max_seqs",
                 "max_len": "max_len", "dtype": "dtype", "namespace": "namespace",
                 "grpc_host": "host", "address": "address", "timeout": "start_timeout_s",
-                "pipeline_groups": "pipeline_groups"}
+                "pipeline_groups": "pipeline_groups", "draft_ahead": "draft_ahead"}
 _ROLE_FLAGS = {"drafters": ("drafter", "replicas"), "verifiers": ("verifier", "replicas"),
                "drafter_gpus": ("drafter", "num_gpus"), "verifier_gpus": ("verifier", "num_gpus"),
                "drafter_mode": ("drafter", "mode")}

@@ -18,7 +18,7 @@ _OVERRIDES = {"model": "model_dir", "k": "num_steps", "max_seqs": "max_seqs",
               "drafter_max_seqs": "drafter_max_seqs", "max_len": "max_len", "dtype": "dtype",
               "host": "host", "health_interval": "health_interval_s",
               "drain_timeout": "drain_timeout_s", "draft_deadline": "draft_deadline_s",
-              "pipeline_groups": "pipeline_groups"}
+              "pipeline_groups": "pipeline_groups", "draft_ahead": "draft_ahead"}
 _ROLE_OVERRIDES = {"drafters": ("drafter", "replicas"), "verifiers": ("verifier", "replicas"),
                    "drafter_gpus": ("drafter", "num_gpus"),
                    "verifier_gpus": ("verifier", "num_gpus"),
@@ -65,6 +65,8 @@ def add_stack_mode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-groups", type=int,
                    help="verifier groups taking turns so drafts overlap verification "
                         "(default 1: off)")
+    p.add_argument("--draft-ahead", action="store_true", default=None,
+                   help="verifiers use drafters' look-ahead drafts on a hit (default off)")
 
 
 def stack_config(args: argparse.Namespace) -> StackConfig:

@@ -63,6 +63,9 @@ def add_parser(sub) -> list[str]:
     p.add_argument("--pipeline-groups", type=int, default=VerifierOptions.groups,
                    help="groups of running sequences taking turns, so one group's drafts "
                         "are computed while another is verified (default 1: off)")
+    p.add_argument("--draft-ahead", action="store_true",
+                   help="ask drafters for look-ahead drafts (the likely verdict of the "
+                        "round being verified) and verify them at once on a hit")
     add_server_args(p)
     p.add_argument("--drafter-tls-ca", type=Path, help="CA that signed the drafters' certificates")
     p.add_argument("--drafter-tls-cert", type=Path, help="client certificate for drafters (mTLS)")
@@ -83,7 +86,7 @@ def resolve(args: argparse.Namespace) -> VerifierCommand:
     verifier = VerifierOptions(local_options(args), args.model_name, args.max_waiting,
                                args.default_max_tokens, args.draft_deadline,
                                drafter=DrafterMode(args.drafter_mode),
-                               groups=args.pipeline_groups)
+                               groups=args.pipeline_groups, draft_ahead=args.draft_ahead)
     server = server_options(args)
     client = ClientOptions(tls_ca=args.drafter_tls_ca, tls_cert=args.drafter_tls_cert,
                            tls_key=args.drafter_tls_key, auth_token=server.auth_token,

@@ -62,10 +62,11 @@ def load_models(opts: LocalOptions, speculative: bool = True) -> LoadedModels:
     return LoadedModels(target, draft)
 
 
-def verifier_config(opts: LocalOptions, groups: int = 1) -> VerifierConfig:
+def verifier_config(opts: LocalOptions, groups: int = 1,
+                    draft_ahead: bool = False) -> VerifierConfig:
     """The engine config of a verifier over `opts` (in process and as a service)."""
     return VerifierConfig(num_steps=opts.num_steps, max_seqs=opts.max_seqs,
-                          max_len=opts.max_len, groups=groups,
+                          max_len=opts.max_len, groups=groups, draft_ahead=draft_ahead,
                           max_batch_tokens=max(1024, opts.max_seqs * (opts.num_steps + 1)))
 
 

@@ -84,6 +84,16 @@ class VerifierMetrics(GrpcServiceMetrics):
         self.groups = rec.gauge("chainspec_pipeline_groups", "Pipelined groups taking turns "
                                 "(with running sequences) at the last step; 1: not "
                                 "pipelined").child()
+        ahead = rec.counter("chainspec_draft_ahead_verdicts", "Verdicts a look-ahead had "
+                            "guessed (DESIGN 4.8): hit (its drafts verified next, no wait) or "
+                            "miss", "result")
+        self.ahead = {result: ahead.child(result) for result in ("hit", "miss")}
+        self.ahead_draft_tokens = rec.counter(
+            "chainspec_draft_ahead_draft_tokens", "Look-ahead draft tokens verified").child()
+        ahead_pos = rec.counter("chainspec_draft_ahead_accepted_tokens_per_pos",
+                                "Look-ahead draft tokens accepted at each draft position "
+                                "(0-based)", "position")
+        self.ahead_per_pos = [ahead_pos.child(str(i)) for i in range(max(1, num_steps - 1))]
         self.registry.register(rec)
         self.sources = DraftStatsCollector(model)
         self.registry.register(self.sources)
@@ -110,6 +120,8 @@ class VerifierMetrics(GrpcServiceMetrics):
             self.waiting.value = step.waiting
             self.kv_usage.value = step.kv_usage
             self.groups.value = step.groups
+            self.ahead["hit"].value += step.ahead_hits
+            self.ahead["miss"].value += step.ahead_misses
 
     # -- draft pool observer (a stream's reader thread) --------------------------------
     def round_trip(self, seconds: float) -> None:
@@ -134,6 +146,8 @@ class VerifierMetrics(GrpcServiceMetrics):
                 accepted += verdict.accepted
                 for i in range(verdict.accepted):
                     per_pos[i] += 1
+                if item.ahead:
+                    self._count_ahead(item.num_drafts, verdict.accepted)
             elif step.speculative:
                 self.fallbacks[req.draft_miss or "late"].value += 1
         self.prompt_tokens.value += prompt
@@ -142,6 +156,11 @@ class VerifierMetrics(GrpcServiceMetrics):
         self.accepted.value += accepted
         for child, n in zip(self.accepted_per_pos, per_pos, strict=True):
             child.value += n
+
+    def _count_ahead(self, drafts: int, accepted: int) -> None:
+        self.ahead_draft_tokens.value += drafts
+        for child in self.ahead_per_pos[:accepted]:
+            child.value += 1
 
     def _count_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         generated = 0

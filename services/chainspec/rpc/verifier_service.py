@@ -198,6 +198,7 @@ class VerifierOptions:
     stall_limit_s: float = 60.0  # one engine step or command longer than this: not serving
     drafter: DrafterMode = DrafterMode.REMOTE  # local: the MTP modules run in this process
     groups: int = 1  # pipelined groups taking turns (VerifierConfig.groups, DESIGN 4.8)
+    draft_ahead: bool = False  # use look-ahead drafts on a hit (VerifierConfig.draft_ahead)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "drafter", DrafterMode(self.drafter))  # ValueError: unknown
@@ -293,7 +294,7 @@ async def serve_verifier(opts: VerifierOptions, server: ServerOptions,
         drafts = GrpcDraftClient((), client or ClientOptions(), opts.draft_deadline_s,
                                  match=match, observer=metrics, max_seqs=m.max_seqs)
     eos = tokenizer.eos_token_ids if tokenizer is not None else ()
-    core = VerifierEngine(target, verifier_config(m, opts.groups), drafts, eos,
+    core = VerifierEngine(target, verifier_config(m, opts.groups, opts.draft_ahead), drafts, eos,
                           tokenizer.decode if tokenizer else None)
     engine = AsyncVerifier(core, opts.max_waiting)
     if metrics is not None:
