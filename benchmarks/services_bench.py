@@ -72,9 +72,11 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Stack:\n  
            "if __name__ == \"__main__\":\n", "def quicksort(items):\n"]
 NS = "chainspec-bench"
 GREEDY = SamplingParams(temperature=0.0)
-# stack mode -> (drafter mode, pipeline groups)
-STACKS = {"stack_local": (DrafterMode.LOCAL, 1), "grpc_g1": (DrafterMode.REMOTE, 1),
-          "grpc_g2": (DrafterMode.REMOTE, 2)}
+# stack mode -> (drafter mode, pipeline groups, draft-ahead)
+STACKS = {"stack_local": (DrafterMode.LOCAL, 1, False), "grpc_g1": (DrafterMode.REMOTE, 1, False),
+          "grpc_g2": (DrafterMode.REMOTE, 2, False),
+          "grpc_ahead": (DrafterMode.REMOTE, 1, True)}
+REMOTE = ("grpc_g1", "grpc_g2", "grpc_ahead")
 MODES = ("plain", "inproc", *STACKS)
 
 
@@ -190,6 +192,7 @@ def run_grpc(endpoint: str, actors, prompts, max_tokens: int) -> dict:
             "drafter_ms": 1e3 * draft_s / draft_batches,
             "bytes_per_round": (d.get("bytes_sent", 0) + d.get("bytes_received", 0)) / steps,
             "late_batches": d.get("late_batches", 0),
+            "ahead_hits": d.get("ahead_hits", 0), "ahead_misses": d.get("ahead_misses", 0),
             "fallback_rounds": sum(s.fallback_rounds for s in stats),
             "acceptance_length": 1 + sum(s.accepted_tokens for s in stats) / max(rounds, 1),
             "outputs": [t for t, _ in results]}
@@ -198,11 +201,12 @@ def run_grpc(endpoint: str, actors, prompts, max_tokens: int) -> dict:
 def start_stack(name: str, model: Path, k: int, max_seqs: int, max_len: int):
     """Stack `name` of STACKS (one verifier actor, and one drafter actor unless local);
     returns (endpoint, [actors])."""
-    mode, groups = STACKS[name]
+    mode, groups, ahead = STACKS[name]
     ns = f"{NS}-{name.replace('_', '-')}"
     stack.up(StackConfig(model_dir=str(model), num_steps=k, max_seqs=max_seqs,
                          max_len=max_len, namespace=ns, health_interval_s=2.0,
-                         drafter=DrafterRoleConfig(mode=mode), pipeline_groups=groups))
+                         drafter=DrafterRoleConfig(mode=mode), pipeline_groups=groups,
+                         draft_ahead=ahead))
     roles = ("verifier",) if mode is DrafterMode.LOCAL else ("verifier", "drafter")
     actors = [ray.get_actor(f"chainspec-{m}-0", namespace=ns) for m in roles]
     endpoint = [m for m in stack.status(namespace=ns) if m["role"] == "verifier"][0]["endpoint"]
@@ -247,6 +251,8 @@ def summarize(batch: int, runs: dict[str, dict]) -> dict:
             row[f"{mode}_wait_share"] = r["wait_s_total"] / r["step_s_total"]
             row[f"{mode}_bytes_per_round"] = r["bytes_per_round"]
             row[f"{mode}_late_batches"] = r["late_batches"]
+            looked = r["ahead_hits"] + r["ahead_misses"]
+            row[f"{mode}_ahead_hit_rate"] = r["ahead_hits"] / looked if looked else None
     g1 = runs["grpc_g1"]
     # NOTE: the draft wait holds transfer, both sides' codec but the verifier's encode,
     # and the drafter's compute (measured in the drafter actor); the wire is the rest.
@@ -254,10 +260,10 @@ def summarize(batch: int, runs: dict[str, dict]) -> dict:
         1e-3 * inproc["encode_ms"] * g1["draft_batches"]
     row["wire_ms"] = 1e3 * wire_s / max(g1["steps"], 1)
     row["wire_share"] = wire_s / g1["step_s_total"]
-    best = max(("grpc_g1", "grpc_g2"), key=lambda m: row[f"{m}_tok_s"])
+    best = max(REMOTE, key=lambda m: row[f"{m}_tok_s"])
     row["best_remote"] = best
     for base in ("inproc", "stack_local", "plain"):
-        for mode in ("grpc_g1", "grpc_g2"):
+        for mode in REMOTE:
             row[f"{mode}_vs_{base}"] = row[f"{mode}_tok_s"] / row[f"{base}_tok_s"]
     row["inproc_vs_plain"] = row["inproc_tok_s"] / row["plain_tok_s"]
     row["stack_local_vs_plain"] = row["stack_local_tok_s"] / row["plain_tok_s"]
@@ -274,22 +280,26 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"{', '.join(f'{x:.1f}' for x in meta['load_average'])}.", "",
              "Tokens/s (x plain):", "",
              "| batch | plain | spec in-process | stack local | gRPC g1 | gRPC g2 "
-             "| acc. len | lossless (all 5) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| gRPC draft-ahead | acc. len | lossless (all 6) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = [f"{r['plain_tok_s']:.1f}"] + [
             f"{r[f'{m}_tok_s']:.1f} ({r[f'{m}_tok_s'] / r['plain_tok_s']:.2f}x)"
             for m in MODES[1:]]
         lines.append(f"| {r['batch']} | {' | '.join(cells)} | {r['acceptance_length']:.2f} "
                      f"| {r['lossless']} |")
-    lines += ["", "Ratios of the remote (gRPC) modes:", "",
-              "| batch | g1 / in-process | g2 / in-process | g1 / stack local "
-              "| g2 / stack local | g1 / plain | g2 / plain |",
+    lines += ["", "Ratios of the remote (gRPC) modes (g1, g2, draft-ahead):", "",
+              "| batch | / in-process | / stack local | / plain | ahead hit rate "
+              "| ahead draft wait ms | ahead acc. len |",
               "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['batch']} | " + " | ".join(
-            f"{r[f'{m}_vs_{b}']:.2f}" for b in ("inproc", "stack_local", "plain")
-            for m in ("grpc_g1", "grpc_g2")) + " |")
+        ratios = [" / ".join(f"{r[f'{m}_vs_{b}']:.2f}" for m in REMOTE)
+                  for b in ("inproc", "stack_local", "plain")]
+        hit = r["grpc_ahead_ahead_hit_rate"]
+        lines.append(f"| {r['batch']} | " + " | ".join(ratios) +
+                     f" | {'-' if hit is None else f'{100 * hit:.0f}%'} "
+                     f"| {r['grpc_ahead_draft_wait_ms']:.2f} "
+                     f"| {r['grpc_ahead_acceptance_length']:.2f} |")
     lines += ["", "Round anatomy (ms per verifier step; drafter ms per draft batch):", "",
               "| batch | round plain / in-proc / local / g1 / g2 | drafter in-proc / local "
               "/ g1 / g2 | draft wait g1 / g2 | wait share g1 / g2 | wire ms g1 (share) "

@@ -19,9 +19,10 @@ def reference_drafts(model: MTPDraftModel, tokens: list[int], hidden: torch.Tens
 
 @torch.no_grad()
 def reference_round(model: MTPDraftModel, tokens: list[int], hidden: torch.Tensor,
-                    num_steps: int, chain: bool
+                    num_steps: int, chain: bool, forced: list[int] | None = None
                     ) -> tuple[list[int], list[torch.Tensor], torch.Tensor]:
-    """`reference_drafts`, plus g[1..K] at the last row ([K, H])."""
+    """`reference_drafts`, plus g[1..K] at the last row ([K, H]). `forced`: the tokens
+    each step's output is taken to be (sampled drafts) instead of its argmax."""
     n = hidden.shape[0]
     assert len(tokens) == n + 1
     positions = torch.arange(n)
@@ -32,7 +33,7 @@ def reference_round(model: MTPDraftModel, tokens: list[int], hidden: torch.Tenso
         g = model.step(k, ids, prev, positions, DenseCausal(1, n, model.config.head_dim ** -0.5))
         states.append(g[-1])
         logits = model.logits(k, g[-1:])[0]
-        draft = int(logits.argmax())
+        draft = int(logits.argmax()) if forced is None else forced[k - 1]
         drafts.append(draft)
         all_logits.append(logits)
         stream.append(draft)

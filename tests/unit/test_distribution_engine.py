@@ -82,3 +82,34 @@ def test_broken_rule_is_detected(pair, plain_counts, monkeypatch) -> None:
     eng = engine(target, draft, k=2, max_seqs=BATCH, top_k=3, sampled_drafts=True)
     spec = first_two(eng, seed_base=0)
     assert chi_square_two_sample(table(spec), table(plain_counts)) < 1e-6
+
+
+
+def later_pair(eng, seed_base: int, first: int, prompt: list[int]) -> collections.Counter:
+    """Counts of generated tokens (x_first, x_first+1)."""
+    counts: collections.Counter = collections.Counter()
+    stop = StopConditions(max_tokens=first + 2)
+    for b in range(0, REQUESTS, BATCH):
+        params = [SamplingParams(temperature=1.0, seed=seed_base + b + i) for i in range(BATCH)]
+        result = run_to_completion(eng, [prompt] * BATCH, params, stop)
+        counts.update(tuple(c.tokens[first:first + 2]) for c in result.completions)
+    return counts
+
+
+def test_speculative_sampling_with_draft_ahead_matches_plain() -> None:
+    """Tokens 4 and 5 follow the first verify round, so look-ahead drafts (sampled from
+    their own top-k q) decide them on every hit. A 3-token vocabulary makes the bonus
+    guess right often enough for the look-ahead to be really at stake."""
+    vocab, prompt = 3, [1, 2, 0]
+    target, draft = tied_pair(vocab=vocab, modules=2, seed=4)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.3)
+    plain = later_pair(engine(target, max_seqs=BATCH), 20_000_000, 4, prompt)
+    eng = engine(target, draft, k=2, max_seqs=BATCH, top_k=2, sampled_drafts=True,
+                 draft_ahead=True)
+    spec = later_pair(eng, 0, 4, prompt)
+    assert eng.ahead_hits > 0.3 * REQUESTS, "look-ahead drafts were really at stake"
+
+    def cells(counts):
+        return [counts[(a, b)] for a in range(vocab) for b in range(vocab)]
+    assert chi_square_two_sample(cells(spec), cells(plain)) > 1e-3

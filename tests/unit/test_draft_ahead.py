@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from chainspec.engine.draft_types import DraftResult, SeqUpdate
+from chainspec.engine.draft_types import DraftResult, DraftSampling, SeqUpdate
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from tests.unit.draft_reference import reference_round
 from tests.unit.test_drafter_exactness import Committed, check_round, prefill
@@ -79,6 +79,32 @@ def test_entry_equals_reference_for_its_hypothesis(chain: bool, verify_own: bool
     assert entry.base == base and entry.outcome == (*verify, ahead[0])
     assert entry.drafts.position == base + m + 1
     assert entry.drafts.tokens.tolist() == ahead[1:]
+
+
+def test_sampled_entry_carries_the_q_its_drafts_were_drawn_from() -> None:
+    k, temp = 3, 0.8
+    rng = random.Random(2)
+    engine = _engine(k, 2, True)
+    top_k = engine.config.top_k  # the support size the drafter reports
+    seq = Committed(rng, 9)
+    sampling = DraftSampling(temp, top_k, seed=7)
+    engine.update([SeqUpdate(0, 0, tuple(seq.tokens[1:]), seq.hidden, True, sampling)])
+    upd = seq.extend(rng, 2)
+    (exact,) = engine.update([SeqUpdate(0, upd.start, upd.tokens, upd.hidden, True,
+                                        sampling, look_ahead=True)])
+    (entry,) = engine.look_ahead()
+    _, _, states = reference_round(engine.model, seq.tokens, seq.hidden, k, True,
+                                   forced=exact.tokens.tolist())
+    verify = exact.tokens.tolist()
+    chain = [entry.outcome[-1], *entry.drafts.tokens.tolist()]  # what the steps drew
+    _, logits, _ = reference_round(engine.model, seq.tokens + verify,
+                                   torch.cat([seq.hidden, states]), k, True, forced=chain)
+    for i in range(k - 1):  # draft i of the entry is step i + 2's sample
+        top, support = (logits[i + 1] / temp).topk(top_k)
+        assert entry.drafts.support[i].tolist() == support.tolist()
+        torch.testing.assert_close(entry.drafts.probs[i], top.softmax(-1), atol=1e-5,
+                                   rtol=1e-4)
+        assert entry.drafts.tokens[i] in support
 
 
 def test_no_look_ahead_unless_asked_or_for_k1() -> None:

@@ -252,7 +252,9 @@ class VerifierServer:
 
     def stats(self) -> dict[str, float]:
         """Engine steps and draft-pool counters (wait for drafts, bytes), cumulative."""
+        core = self.engine.engine
         return {"steps": self.engine.steps, "step_s_total": self.engine.step_s_total,
+                "ahead_hits": core.ahead_hits, "ahead_misses": core.ahead_misses,
                 **asdict(self.drafts.stats)}
 
     async def set_drafters(self, endpoints: Sequence[str]) -> None:
