@@ -75,3 +75,23 @@ def _shape_weights(tensors: dict[str, torch.Tensor], mix: float) -> dict[str, to
             t = t * mix
         out[name] = t.contiguous()
     return out
+
+
+def write_hf_model(model_dir: Path, architecture: str = "LlamaForCausalLM", hidden: int = 32,
+                   layers: int = 2, seed: int = 0) -> Path:
+    """A plain target (no MTP modules) as a new user has one: random weights written by
+    `transformers`' own `save_pretrained` (its config and tensor names, not ours), with
+    the byte-level tokenizer above."""
+    import transformers
+
+    eot = write_tokenizer(model_dir, 300)
+    vocab = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size()
+    family = {"LlamaForCausalLM": "Llama", "Qwen2ForCausalLM": "Qwen2"}[architecture]
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, eos_token_id=eot, bos_token_id=eot,
+        initializer_range=0.1)  # logits far enough apart that greedy has no near-ties
+    torch.manual_seed(seed)
+    getattr(transformers, architecture)(config).save_pretrained(model_dir)
+    return model_dir

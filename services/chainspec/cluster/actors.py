@@ -19,10 +19,12 @@ from typing import Any
 import ray
 
 from chainspec.cluster.config import CONTROLLER_NAME, StackConfig
+from chainspec.cluster.plain_target import no_mtp_reason
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from chainspec.engine.local import DTYPES
 from chainspec.metrics.drafter import DrafterMetrics
 from chainspec.metrics.verifier import VerifierMetrics
+from chainspec.models.errors import CheckpointError
 from chainspec.models.loader import load_draft_model
 from chainspec.rpc.drafter_service import serve_drafter
 from chainspec.rpc.server import ServerOptions
@@ -97,7 +99,10 @@ class _ServiceActor:
         try:
             self.server = await self.serve()
         except Exception as e:  # reported to the controller, which marks it dead
-            log.exception("%s failed to start", self.member_id)
+            if isinstance(e, CheckpointError):  # the model's: its message says it all
+                log.error("%s failed to start: %s", self.member_id, e)
+            else:
+                log.exception("%s failed to start", self.member_id)
             self.error = f"{type(e).__name__}: {e}"
         await self._register()
 
@@ -154,6 +159,9 @@ class DrafterActor(_ServiceActor):
 
     def _build_engine(self, metrics: DrafterMetrics) -> TimedDrafterEngine:
         opts = self.config.local_options(self.role)
+        reason = no_mtp_reason(opts.model_dir)
+        if reason is not None:
+            raise CheckpointError(f"{reason}; serve it with --drafters 0")
         model = load_draft_model(opts.model_dir, DTYPES[opts.dtype], opts.device,
                                  cache_len=opts.max_len)
         return TimedDrafterEngine(model, DrafterConfig(

@@ -36,6 +36,7 @@ from chainspec.cluster.actors import DrafterActor, VerifierActor
 from chainspec.cluster.config import MEMBER_ROLES, ROLES, StackConfig
 from chainspec.cluster.intent import MEMBER_NAME, Intent, IntentStore, actor_name, role_of
 from chainspec.cluster.membership import Member, MemberState
+from chainspec.cluster.plain_target import refuse_drafters
 
 START_TIMEOUT_S = 300.0  # longest wait for new members to load their model
 FORGET_AFTER = 10  # health timeouts after which a silent external member is dropped
@@ -142,6 +143,8 @@ class Controller:
             raise ValueError("this stack's drafter mode is local: every verifier drafts in "
                              "process, so there are no drafter actors to scale (start a "
                              "stack with drafter mode remote for that)")
+        if role == "drafter" and n > 0:  # a model without MTP modules: say so, start none
+            await asyncio.to_thread(refuse_drafters, self.config)
         await self._recovered.wait()
         self.intent.replicas[role] = n
         self._save()

@@ -32,7 +32,9 @@ import ray
 from chainspec.cluster.config import CONTROLLER_NAME, NAMESPACE, StackConfig
 from chainspec.cluster.controller import START_TIMEOUT_S, Controller
 from chainspec.cluster.intent import IntentStore, actor_name
+from chainspec.cluster.plain_target import serve_plainly
 
+log = logging.getLogger(__name__)
 STATE_ENV = "CHAINSPEC_STATE_DIR"
 PROBE_TIMEOUT_S = 2.0  # asking a Ray address whether a cluster is there, before joining
 GCS_PROBE_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
@@ -92,7 +94,11 @@ def up(config: StackConfig, address: str | None = None,
        timeout_s: float = START_TIMEOUT_S) -> list[dict[str, Any]]:
     """Start the controller and wait until every member is ready; returns the members.
     Without `address` and outside Ray, starts an embedded local Ray in this process; its
-    stack gets a random service token unless `config` has one."""
+    stack gets a random service token unless `config` has one. A model without MTP
+    modules starts no drafters (`plain_target`; `serve`/`up` say so first)."""
+    config, warning = serve_plainly(config)
+    if warning:
+        log.warning("%s", warning)
     embedded = not ray.is_initialized() and address is None
     if embedded:
         check_no_local_owner(config.namespace)

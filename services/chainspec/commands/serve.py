@@ -17,6 +17,7 @@ sets your own).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -110,7 +111,13 @@ def read_api_key(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from chainspec.cluster.plain_target import serve_plainly
+
     config = resolve(args)
+    plain, warning = serve_plainly(config.stack)
+    if warning:  # a model without MTP modules: no drafters
+        config = dataclasses.replace(config, stack=plain)
+        print(f"chainspec serve: warning: {warning}", file=sys.stderr, flush=True)
     if args.dry_run:
         print(json.dumps({"command": "serve", "config": config.describe()}, indent=2))
         return 0

@@ -23,6 +23,7 @@ import time
 from chainspec.cluster import stack
 from chainspec.cluster.config import StackConfig
 from chainspec.cluster.controller import START_TIMEOUT_S
+from chainspec.cluster.plain_target import serve_plainly
 from chainspec.commands.server_args import jsonable
 from chainspec.commands.stack_args import add_config_args, print_members, stack_config
 
@@ -44,7 +45,9 @@ def add_parser(sub) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = stack_config(args)
+    config, warning = serve_plainly(stack_config(args))
+    if warning:
+        print(f"chainspec up: warning: {warning}", file=sys.stderr, flush=True)
     if args.dry_run:
         print(json.dumps({"command": "up", "address": args.address, "detach": args.detach,
                           "config": jsonable(config.to_dict())}, indent=2))

@@ -47,6 +47,17 @@ class RopeConfig:
         if self.factor <= 0:
             raise CheckpointError(f"rope_scaling factor must be > 0, got {self.factor}")
 
+    def position_limit(self, max_position: int) -> int:
+        """Positions the model takes given its `max_position_embeddings`: that, unless the
+        scaling extends it -- linear and dynamic by `factor`, yarn its original length
+        (else `max_position`) by `factor`. llama3 configs already state the extended
+        length (the rule vLLM applies, so the two agree on a model's context)."""
+        if self.type in ("linear", "dynamic") and self.factor > 1:
+            return int(max_position * self.factor)
+        if self.type == "yarn":
+            return int((self.original_max_position or max_position) * self.factor)
+        return max_position
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> RopeConfig:
         scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
@@ -106,6 +117,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def position_limit(self) -> int:
+        """The longest sequence the model takes (`RopeConfig.position_limit`)."""
+        return self.rope.position_limit(self.max_position)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], architecture: str | None = None) -> ModelConfig:

@@ -302,9 +302,10 @@ async def serve_verifier(opts: VerifierOptions, server: ServerOptions,
     if metrics is not None:
         metrics.set_info(m.num_steps, m.dtype, m.chain)
         metrics.attach(core, drafts)
-    # NOTE: no position past what the model was built for, whatever the slots could hold
+    # NOTE: no position past what the model was built for (its max_position_embeddings,
+    # or what its RoPE scaling extends that to), whatever the slots could hold
     limits = GenerateLimits(target.config.vocab_size,
-                            min(m.max_len, target.config.max_position), m.num_steps,
+                            min(m.max_len, target.config.position_limit), m.num_steps,
                             opts.default_max_tokens)
     servicer = VerifierServicer(engine, limits, tokenizer, opts.name, fingerprint,
                                 lambda: len(drafts.loads()))
