@@ -8,8 +8,8 @@ import importlib
 import sys
 
 # Module names under chainspec.commands, in help order.
-COMMANDS = ("generate", "bench", "train_demo", "drafter", "verifier", "up", "status", "scale",
-            "down", "serve", "gateway", "health")
+COMMANDS = ("generate", "bench", "train_demo", "train_mtp", "drafter", "verifier", "up",
+            "status", "scale", "down", "serve", "gateway", "health")
 
 
 def _modules() -> dict[str, object]:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from chainspec.models.attention import DenseCausal
-from chainspec.training.demo_model import DemoModel
-from chainspec.training.objective import run_model
+from chainspec.training.mtp_model import TargetWithMTP
+from chainspec.training.objective import greedy_agreement, run_model
 
 
 @dataclass(frozen=True)
@@ -44,45 +44,41 @@ class Acceptance:
 
 
 @torch.no_grad()
-def teacher_forced(model: DemoModel, windows: torch.Tensor) -> Acceptance:
+def teacher_forced(model: TargetWithMTP, windows: torch.Tensor) -> Acceptance:
     """windows [n, T] of held-out tokens."""
-    k_max, rounds = model.num_mtp, 0
-    accepted = torch.zeros(k_max, dtype=torch.int64)
+    rounds, accepted = 0, torch.zeros(model.num_mtp, dtype=torch.int64)
     for ids in windows.split(4):
-        fwd = run_model(model, ids)
-        target = fwd.target_logits.argmax(-1)  # [B, T]
-        rows = ids.shape[1] - k_max  # rows p with a target row p+K
-        ok = torch.ones(ids.shape[0], rows, dtype=torch.bool)
-        for k, logits in enumerate(fwd.mtp_logits, start=1):
-            ok &= logits[:, :rows].argmax(-1) == target[:, k: k + rows]
-            accepted[k - 1] += int(ok.sum())
-        rounds += ids.shape[0] * rows
+        counts, rows = greedy_agreement(run_model(model, ids))  # run_model moves ids
+        accepted += counts.cpu()  # NOTE: a host sync per window (evaluation only)
+        rounds += rows
     return Acceptance(rounds, tuple(int(a) for a in accepted))
 
 
-def _target_forward(model: DemoModel, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _target_forward(model: TargetWithMTP, tokens: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-prefix target forward -> (hidden [n, H], argmax [n])."""
-    ids = torch.tensor(tokens)
+    ids = torch.tensor(tokens, device=model.device)
     backend = DenseCausal(1, len(tokens), model.target.attention_scale)
-    hidden = model.target(ids, torch.arange(len(tokens)), backend)
+    hidden = model.target(ids, torch.arange(len(tokens), device=model.device), backend)
     return hidden, model.target.logits(hidden).argmax(-1)
 
 
-def draft_from_scratch(model: DemoModel, tokens: list[int], hidden: torch.Tensor) -> list[int]:
+def draft_from_scratch(model: TargetWithMTP, tokens: list[int], hidden: torch.Tensor
+                       ) -> list[int]:
     """K chained drafts after committed `tokens` (last = bonus), from h of rows < bonus."""
     rows = len(tokens) - 1  # rows 0..N'-1
-    positions = torch.arange(rows)
+    positions = torch.arange(rows, device=model.device)
     backend = DenseCausal(1, rows, model.target.attention_scale)
     prev, drafts = hidden[:rows], []
     for k in range(1, model.num_mtp + 1):
-        inputs = torch.tensor((tokens + drafts)[k: k + rows])  # x[p+k], drafts past N'
+        inputs = torch.tensor((tokens + drafts)[k: k + rows], device=model.device)  # x[p+k]
         prev = model.draft.step(k, inputs, prev, positions, backend)  # g[k] [rows, H]
         drafts.append(int(model.draft.logits(k, prev[-1:]).argmax(-1)))
     return drafts
 
 
 @torch.no_grad()
-def self_speculate(model: DemoModel, prompt: list[int], max_new: int, eos: int
+def self_speculate(model: TargetWithMTP, prompt: list[int], max_new: int, eos: int
                    ) -> tuple[list[int], Acceptance]:
     """Greedy speculative generation; returns (generated tokens, acceptance counts)."""
     hidden, argmax = _target_forward(model, prompt)
@@ -104,7 +100,8 @@ def self_speculate(model: DemoModel, prompt: list[int], max_new: int, eos: int
 
 
 @torch.no_grad()
-def greedy_generate(model: DemoModel, prompt: list[int], max_new: int, eos: int) -> list[int]:
+def greedy_generate(model: TargetWithMTP, prompt: list[int], max_new: int, eos: int
+                    ) -> list[int]:
     """Plain greedy decoding (full recompute per token): the reference output."""
     generated: list[int] = []
     while len(generated) < max_new and eos not in generated:
@@ -112,7 +109,7 @@ def greedy_generate(model: DemoModel, prompt: list[int], max_new: int, eos: int)
     return generated
 
 
-def simulate(model: DemoModel, prompts: list[list[int]], max_new: int, eos: int
+def simulate(model: TargetWithMTP, prompts: list[list[int]], max_new: int, eos: int
              ) -> Acceptance:
     rounds, accepted = 0, [0] * model.num_mtp
     for prompt in prompts:

@@ -14,7 +14,7 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def _loss_table(rows: tuple[LogRow, ...], k: int) -> str:
+def loss_table(rows: tuple[LogRow, ...], k: int) -> str:
     heads = " | ".join(f"MTP {i} CE" for i in range(1, k + 1))
     lines = [f"| step | stage | split | target CE | {heads} | distill CE (mean) |",
              "|---:|---|---|---:|" + "---:|" * (k + 1)]
@@ -28,7 +28,7 @@ def _loss_table(rows: tuple[LogRow, ...], k: int) -> str:
     return "\n".join(lines)
 
 
-def _acceptance_table(tf: Acceptance, sim: Acceptance) -> str:
+def acceptance_table(tf: Acceptance, sim: Acceptance) -> str:
     lines = ["| draft position k | teacher-forced P(k accepted) | (conditional) | "
              "simulated P(k accepted) | (conditional) |", "|---:|---:|---:|---:|---:|"]
     for i in range(len(tf.rates)):
@@ -122,7 +122,7 @@ Train rows average the last log interval; held-out rows use {e.loss_windows} win
 held-out files. MTP k CE is against the corpus token x[p+k+1]; distill CE is against the
 target's distribution (its entropy is the floor).
 
-{_loss_table(r.log, s.num_mtp)}
+{loss_table(r.log, s.num_mtp)}
 
 ## Held-out acceptance (K = {s.num_mtp}, greedy, chain mode)
 - **Teacher-forced** over {e.windows} held-out windows ({r.teacher_forced.rounds:,}
@@ -138,7 +138,7 @@ target's distribution (its entropy is the floor).
 P(k accepted) is the fraction of rounds in which draft k was accepted (so 1..k all were);
 mean acceptance length = 1 + sum_k P(k accepted), the tokens committed per verify.
 
-{_acceptance_table(r.teacher_forced, r.simulated)}
+{acceptance_table(r.teacher_forced, r.simulated)}
 
 ## Limitations
 Tiny, briefly trained, code only, no instruction following. Greedy continuations of a

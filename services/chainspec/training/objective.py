@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from chainspec.models.attention import DenseCausal
-from chainspec.training.demo_model import DemoModel
+from chainspec.training.mtp_model import TargetWithMTP
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,11 @@ def shift_left(ids: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([ids[:, k:], ids.new_zeros(ids.shape[0], k)], dim=1)
 
 
-def run_model(model: DemoModel, ids: torch.Tensor, grad_target: bool = True) -> Forward:
-    """Target and chained MTP modules over a dense causal block."""
+def run_model(model: TargetWithMTP, ids: torch.Tensor, grad_target: bool = True) -> Forward:
+    """Target and chained MTP modules over a dense causal block (on the model's device)."""
+    ids = ids.to(model.device)
     batch, seq_len = ids.shape
-    positions = torch.arange(seq_len).repeat(batch)  # [B*T]
+    positions = torch.arange(seq_len, device=ids.device).repeat(batch)  # [B*T]
     backend = DenseCausal(batch, seq_len, model.target.attention_scale)
     with torch.set_grad_enabled(grad_target and torch.is_grad_enabled()):
         hidden = model.target(ids.flatten(), positions, backend)  # [B*T, H]
@@ -70,6 +71,22 @@ def mtp_distill(fwd: Forward) -> list[torch.Tensor]:
     return losses
 
 
+def greedy_agreement(fwd: Forward) -> tuple[torch.Tensor, int]:
+    """Chained greedy acceptance over a block -> (accepted [K] int64, rounds): at row p,
+    draft k counts when drafts 1..k equal the target's argmax at rows p+1..p+k (each
+    given the true prefix); rounds = the B * (T - K) rows that have a target row p+K."""
+    k_max = len(fwd.mtp_logits)
+    batch, seq_len = fwd.target_logits.shape[:2]
+    rows = seq_len - k_max
+    target = fwd.target_logits.argmax(-1)  # [B, T]
+    ok = torch.ones(batch, rows, dtype=torch.bool, device=target.device)
+    accepted = []
+    for k, logits in enumerate(fwd.mtp_logits, start=1):
+        ok = ok & (logits[:, :rows].argmax(-1) == target[:, k: k + rows])
+        accepted.append(ok.sum())
+    return torch.stack(accepted), batch * rows
+
+
 def joint_loss(fwd: Forward, ids: torch.Tensor, mtp_weight: float
                ) -> tuple[torch.Tensor, dict[str, float]]:
     base, heads = target_ce(fwd, ids), mtp_ce(fwd, ids)
@@ -81,7 +98,9 @@ def distill_loss(fwd: Forward, ids: torch.Tensor) -> tuple[torch.Tensor, dict[st
     soft = mtp_distill(fwd)
     with torch.no_grad():
         metrics = _metrics(target_ce(fwd, ids), mtp_ce(fwd, ids))
+        counts, rounds = greedy_agreement(fwd)
     metrics.update({f"distill{k}": float(x.detach()) for k, x in enumerate(soft, start=1)})
+    metrics.update({f"acc{k}": float(c) / rounds for k, c in enumerate(counts, start=1)})
     return torch.stack(soft).mean(), metrics
 
 

@@ -23,6 +23,7 @@ from chainspec.training.batches import WindowSampler, consecutive_windows
 from chainspec.training.bpe import write_tokenizer_files
 from chainspec.training.data import PreparedData, prepare
 from chainspec.training.demo_model import DemoModel
+from chainspec.training.distill import distill_stage
 from chainspec.training.export import load_model, write_weights
 from chainspec.training.objective import distill_loss, joint_loss, run_model
 from chainspec.training.recipe import PRESETS, Recipe, with_steps
@@ -51,7 +52,7 @@ def held_out_row(model: DemoModel, windows: torch.Tensor, stage: str, step: int,
     model.eval()
     parts = []
     for ids in windows.split(4):
-        fwd = run_model(model, ids)
+        fwd = run_model(model, ids.to(model.device))
         metrics = joint_loss(fwd, ids, mtp_weight)[1] | distill_loss(fwd, ids)[1]
         parts.append(metrics)
     mean = {k: sum(m[k] for m in parts) / len(parts) for k in parts[0]}
@@ -76,11 +77,9 @@ def train_stages(model: DemoModel, data: PreparedData, recipe: Recipe, started: 
                                        recipe.eval.loss_windows)
     joint = Stage("joint", recipe.joint, list(model.parameters()),
                   functools.partial(joint_loss, mtp_weight=recipe.mtp_weight), True)
-    distill = Stage("distill", recipe.distill, model.mtp_parameters(), distill_loss, False)
     rows, seconds, step = [], {}, 0
-    for stage in (joint, distill):
-        if stage is distill:
-            model.target.requires_grad_(False)  # frozen target, shared embedding/head too
+    for make in (lambda: joint, lambda: distill_stage(model, recipe.distill)):
+        stage = make()  # NOTE: distill_stage freezes the target, so build it after joint
         t0 = time.monotonic()
         rows += stage.run(model, sampler, step, recipe.log_every, started)
         seconds[stage.name] = time.monotonic() - t0

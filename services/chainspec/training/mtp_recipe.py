@@ -1,0 +1,54 @@
+"""What `chainspec train-mtp` trains and how: the recipe (everything a resumed run must
+share with the run it continues) and the run settings (everything it may change)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from chainspec.training.recipe import EvalSettings, StageSchedule
+
+
+@dataclass(frozen=True)
+class MTPRecipe:
+    num_mtp: int = 3
+    schedule: StageSchedule = StageSchedule(steps=2000, lr=2e-3, warmup_steps=50,
+                                            weight_decay=0.0)
+    seq_len: int = 512
+    batch_size: int = 4  # sequences per batch
+    grad_accum: int = 1  # batches per optimizer step
+    held_out_percent: int = 5  # file/document-level held-out split (sha256 of its key)
+    continue_tokens: int = 256  # tokens the target adds to each `prompt` record
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.num_mtp < 1 or self.seq_len <= self.num_mtp + 1:
+            raise ValueError("need >= 1 MTP module and seq_len > num_mtp + 1")
+        if self.batch_size < 1 or self.grad_accum < 1:
+            raise ValueError("batch_size and grad_accum must be >= 1")
+        if not 0 < self.held_out_percent < 100:
+            raise ValueError("held_out_percent must be in 1..99")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.batch_size * self.grad_accum
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How this invocation runs; free to differ between a run and its resumption."""
+
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    log_every: int = 50
+    checkpoint_every: int = 200  # steps; 0 = no checkpoints
+    keep_checkpoints: int = 2
+    device: str = "cpu"
+    bf16: bool = False  # autocast to bfloat16 (GPU); the target is then held in bf16
+    threads: int = 2
+    copy_target: bool = False  # copy the target's files into --out instead of linking
+
+    def __post_init__(self) -> None:
+        if self.log_every < 1 or self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            raise ValueError("log_every >= 1, checkpoint_every >= 0, keep_checkpoints >= 1")
