@@ -203,3 +203,20 @@ def test_jsonl_prompts_are_continued_by_the_target(llama: Path, tmp_path: Path) 
     stats = prepare_data(job, model).stats
     assert stats["prompts_continued"] == 12
     assert stats["train_docs"] + stats["held_out_docs"] == 24
+
+
+def test_progress_line_shows_loss_and_acceptance_per_position() -> None:
+    import io
+
+    from chainspec.training.progress import ProgressBar
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Tty()
+    bar = ProgressBar(10, stream=stream)
+    bar.update(5, {"distill1": 2.0, "distill2": 4.0, "acc1": 0.5, "acc2": 0.25})
+    line = stream.getvalue()
+    assert line.startswith("\r[") and "5/10" in line and "loss 3.000" in line
+    assert "accept/pos 0.50 0.25 (len 1.75)" in line

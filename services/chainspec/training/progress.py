@@ -38,7 +38,8 @@ class ProgressBar:
         eta = (self.total - step) / rate if rate > 0 else 0.0
         soft = [v for k, v in self.ema.items() if k.startswith("distill")]
         loss = sum(soft) / max(len(soft), 1)  # the distill objective
-        acc = [v for k, v in sorted(self.ema.items()) if k.startswith("acc")]
+        acc = [self.ema[f"acc{k}"] for k in range(1, len(self.ema) + 1)
+               if f"acc{k}" in self.ema]
         accept = " ".join(f"{a:.2f}" for a in acc)
         mean_len = 1 + sum(acc)
         return (f"[{'#' * filled}{'.' * (self.width - filled)}] {step}/{self.total} "
