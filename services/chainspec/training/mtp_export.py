@@ -58,5 +58,5 @@ def write_folder(model: TargetWithMTP, target_dir: Path, out_dir: Path, copy: bo
     hf = read_hf_config(target_dir)
     hf["num_nextn_predict_layers"] = model.num_mtp
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    tensors = mtp_tensors(model, storage_dtype(target_dir))
+    tensors = {k: v.cpu() for k, v in mtp_tensors(model, storage_dtype(target_dir)).items()}
     save_file(tensors, str(out_dir / MTP_FILE), {"format": "pt"})

@@ -92,7 +92,8 @@ def train_modules(job: MTPJob, model: TargetWithMTP, data: TokenData, started: f
 
     rows = stage.run(model, sampler, 0, s.log_every, started, state, on_step)
     windows = consecutive_windows(data.held_out_stream, r.seq_len, s.eval.loss_windows)
-    rows.append(held_out_row(model, windows, "distill", r.schedule.steps, 0.0, started))
+    with torch.autocast(torch.device(s.device).type, torch.bfloat16, enabled=s.bf16):
+        rows.append(held_out_row(model, windows, "distill", r.schedule.steps, 0.0, started))
     return rows, first
 
 

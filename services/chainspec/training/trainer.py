@@ -51,8 +51,8 @@ def held_out_row(model: DemoModel, windows: torch.Tensor, stage: str, step: int,
                  mtp_weight: float, started: float) -> LogRow:
     model.eval()
     parts = []
-    for ids in windows.split(4):
-        fwd = run_model(model, ids.to(model.device))
+    for ids in windows.to(model.device).split(4):
+        fwd = run_model(model, ids)
         metrics = joint_loss(fwd, ids, mtp_weight)[1] | distill_loss(fwd, ids)[1]
         parts.append(metrics)
     mean = {k: sum(m[k] for m in parts) / len(parts) for k in parts[0]}
