@@ -16,7 +16,7 @@ from chainspec.engine.acceptance import accept_greedy, accept_sampled, round_noi
 from chainspec.engine.sampling import SamplingBatch
 from chainspec.engine.schedule import Work, WorkKind
 from chainspec.models.attention import AttnBatch, PagedAttention, SeqRows
-from chainspec.models.kv_cache import KVCache
+from chainspec.models.kv_cache import PagedKVCache
 from chainspec.models.target import TargetModel
 
 
@@ -38,10 +38,11 @@ class StepResult:
         return self.hidden[start:start + rows].float().cpu()
 
 
-def run_verify(model: TargetModel, cache: KVCache, work: Sequence[Work],
+def run_verify(model: TargetModel, cache: PagedKVCache, work: Sequence[Work],
                device: torch.device) -> StepResult:
     """Forward all rows of `work`, then accept/sample for the items that commit."""
-    batch = AttnBatch.build([SeqRows(w.request.slot, w.start, w.num_rows) for w in work], device)
+    batch = AttnBatch.build([SeqRows(w.request.blocks.blocks, w.start, w.num_rows)
+                             for w in work], cache.block_size, device)
     ids = torch.tensor([t for w in work for t in w.tokens], device=device)
     hidden = model(ids, batch.positions, PagedAttention(cache, batch, model.attention_scale))
     offsets, total = [], 0
