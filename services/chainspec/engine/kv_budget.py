@@ -1,5 +1,5 @@
 """How many KV blocks an engine gets: from a byte budget, a share of free device memory,
-or (neither given) as many as fixed slots would have reserved.
+an exact count, or (none given) as many as fixed slots would have reserved.
 
 One frozen `KVBudget` travels in both engines' configs; each engine turns it into a
 block count once, with its own model's bytes per block.
@@ -23,6 +23,7 @@ class KVBudget:
     memory_bytes: int | None = None  # --kv-cache-memory: KV bytes over all layers
     fraction: float | None = None  # share of free device memory (CUDA only)
     block_size: int = DEFAULT_BLOCK_SIZE
+    blocks: int | None = None  # an exact block count (tests, benchmarks)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -31,12 +32,17 @@ class KVBudget:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.memory_bytes}")
         if self.fraction is not None and not 0 < self.fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.fraction}")
-        if self.memory_bytes is not None and self.fraction is not None:
-            raise ValueError("give kv_cache_memory or kv_cache_fraction, not both")
+        if self.blocks is not None and self.blocks < 1:
+            raise ValueError(f"blocks must be >= 1, got {self.blocks}")
+        given = [x for x in (self.memory_bytes, self.fraction, self.blocks) if x is not None]
+        if len(given) > 1:
+            raise ValueError("give one of kv_cache_memory, kv_cache_fraction and blocks")
 
     def num_blocks(self, per_block: int, max_seqs: int, max_len: int,
                    device: torch.device) -> int:
         """Blocks that fit the budget (at least one)."""
+        if self.blocks is not None:
+            return self.blocks
         if self.memory_bytes is not None:
             return max(1, self.memory_bytes // per_block)
         if self.fraction is not None and device.type == "cuda":
