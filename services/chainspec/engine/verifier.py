@@ -34,6 +34,7 @@ from chainspec.engine.request import FinishReason, Request, RequestOutput, StopC
 from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.schedule import Work, WorkKind, schedule
 from chainspec.engine.verify_batch import StepResult, VerifyResult, run_verify
+from chainspec.engine.verify_graphs import VerifyGraphs
 from chainspec.models.attention import DenseCausal
 from chainspec.models.target import TargetModel
 
@@ -53,6 +54,7 @@ class VerifierConfig:
     groups: int = 1  # pipelined groups taking turns (1: every running sequence each step)
     draft_ahead: bool = False  # ask for look-ahead drafts and use them on a hit (4.8)
     kv: KVBudget = field(default_factory=KVBudget)  # paged KV cache size
+    use_graphs: bool = True  # CUDA graphs for decode/verify steps when on a GPU
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -83,6 +85,9 @@ class VerifierEngine:
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv, config.max_seqs,
             config.max_len, self.dtype, self.device)
         self.preemptions = 0
+        self.graphs = VerifyGraphs(model, self.cache, config.max_seqs, config.num_steps,
+                                   config.max_len, config.use_graphs)
+        self.graphs.capture()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
@@ -156,7 +161,7 @@ class VerifierEngine:
         if not work:
             self._observe(started, drafts_ready, (), (), outputs)
             return outputs
-        result = run_verify(self.model, self.cache, work, self.device)
+        result = run_verify(self.model, self.cache, work, self.device, self.graphs)
         self._take_ahead()  # NOTE: look-aheads that came in during the forward count too
         updates: list[SeqUpdate] = []
         for i, (item, verdict) in enumerate(zip(work, result.verdicts, strict=True)):
