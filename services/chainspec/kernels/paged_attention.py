@@ -9,7 +9,6 @@ were stored first). Padding rows (row_seq -1) return zeros.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from chainspec.kernels.triton_support import (
     interpreted_bf16_dot,
@@ -40,39 +39,74 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, row_seq: torch.Tensor,
                               positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """Torch reference (the CPU path and the test oracle): per sequence, gather its blocks
-    up to its largest position and run SDPA (fp32) with a causal-by-position mask over its
-    rows only, so the cost follows each sequence's own length. NOTE: syncs once (row
-    grouping to the host); CPU path only."""
+    """Torch reference (the CPU path and the test oracle): sequences of similar length are
+    batched (`_length_groups`); each group gathers its blocks up to its longest sequence
+    and attends (fp32) with a causal-by-position mask, so the cost follows each sequence's
+    own length (a long sequence does not make short ones read its keys). NOTE: syncs
+    (row grouping on the host); CPU path only."""
     out = torch.zeros_like(q)  # [T, Hq, D]
-    for seq, rows in _rows_by_sequence(row_seq):
-        pos = positions[rows]  # [n]
-        length = int(pos.max()) + 1
-        keys = _gather(k_cache, block_tables[seq], length)  # [L, Hkv, D]
-        values = _gather(v_cache, block_tables[seq], length)
-        mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]  # [n, L]
-        o = F.scaled_dot_product_attention(
-            q[rows].float().transpose(0, 1), keys.float().transpose(0, 1),
-            values.float().transpose(0, 1), attn_mask=mask, scale=scale,
-            enable_gqa=True)  # [Hq, n, D]
-        out[rows] = o.transpose(0, 1).to(q.dtype)
+    seqs, pos = row_seq.tolist(), positions.tolist()
+    by_seq: dict[int, list[int]] = {}
+    for t, s in enumerate(seqs):
+        if s >= 0:
+            by_seq.setdefault(s, []).append(t)
+    length = {s: max(pos[t] for t in rows) + 1 for s, rows in by_seq.items()}
+    for group in _length_groups(sorted(by_seq, key=length.get), length):
+        r = max(len(by_seq[s]) for s in group)
+        src = [t for s in group for t in by_seq[s]]  # packed rows, group order
+        dst = [j * r + i for j, s in enumerate(group) for i in range(len(by_seq[s]))]
+        src_rows, dst_rows = (torch.tensor(x, device=q.device) for x in (src, dst))
+        q_pad = q.new_zeros(len(group) * r, *q.shape[1:])  # [G*R, Hq, D]
+        q_pad[dst_rows] = q[src_rows]
+        p_pad = [0] * (len(group) * r)  # padding rows see key 0 only
+        for i, t in zip(dst, src, strict=True):
+            p_pad[i] = pos[t]
+        longest = length[group[-1]]
+        tables = block_tables[group]  # [G, max_blocks]
+        keys, values = (_gather(c, tables, longest) for c in (k_cache, v_cache))
+        mask = torch.arange(longest, device=q.device) <= torch.tensor(
+            p_pad, device=q.device).view(len(group), r, 1)  # [G, R, L]
+        o = _attend(q_pad.view(len(group), r, *q.shape[1:]), keys, values, mask, scale)
+        out[src_rows] = o.flatten(0, 1)[dst_rows].to(q.dtype)
     return out
 
 
-def _rows_by_sequence(row_seq: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """(sequence, its packed row indices) for every sequence with rows, one host sync."""
-    valid = (row_seq >= 0).nonzero().squeeze(1)  # [n]
-    seqs = row_seq[valid]
-    order = torch.argsort(seqs, stable=True)
-    ids, counts = torch.unique_consecutive(seqs[order], return_counts=True)
-    return list(zip(ids.tolist(), valid[order].split(counts.tolist()), strict=True))
+def _length_groups(order: list[int], length: dict[int, int]) -> list[list[int]]:
+    """Split sequences (sorted by length) into batches whose padding stays small: a new
+    batch starts when a length passes twice the batch's shortest plus 256."""
+    groups: list[list[int]] = []
+    for s in order:
+        if groups and length[s] <= 2 * length[groups[-1][0]] + 256:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups
 
 
-def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """One sequence's first `length` cached positions `[length, Hkv, D]`."""
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """q [S, R, Hq, D] over keys/values [S, L, Hkv, D], mask [S, R, L], in fp32, GQA groups
+    folded into rows (no repeated keys) -> [S, R, Hq, D]. NOTE: plain matmuls, not CPU
+    SDPA: with a mask and few rows (decode, verify) SDPA's CPU path costs several times
+    more and varies with L."""
+    s, r, hq, d = q.shape
+    hkv = keys.shape[2]
+    g = hq // hkv  # query head h reads kv head h // g
+    qg = q.float().view(s, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(s, hkv, g * r, d)
+    scores = torch.matmul(qg, keys.float().permute(0, 2, 3, 1)) * scale  # [S, Hkv, G*R, L]
+    # NOTE: fill, not add: masked keys may be stale blocks, never let them reach the sum
+    scores.masked_fill_(~mask.repeat(1, g, 1).unsqueeze(1), float("-inf"))
+    o = torch.matmul(scores.softmax(-1), values.float().transpose(1, 2))  # [S, Hkv, G*R, D]
+    return o.view(s, hkv, g, r, d).permute(0, 3, 1, 2, 4).reshape(s, r, hq, d)
+
+
+def _gather(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached positions of each sequence `[S, length, Hkv, D]`; tables
+    [S, max_blocks] (entries past a sequence's blocks are read and masked off)."""
     block_size = cache.shape[1]
-    blocks = table[: (length + block_size - 1) // block_size].long()
-    return cache[blocks].flatten(0, 1)[:length]
+    blocks = tables[:, : (length + block_size - 1) // block_size].long()  # [S, nb]
+    rows = cache.index_select(0, blocks.flatten())  # [S * nb, block_size, Hkv, D]
+    return rows.view(blocks.shape[0], -1, *cache.shape[2:])[:, :length]
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
