@@ -63,7 +63,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             p_pad[i] = pos[t]
         longest = length[group[-1]]
         tables = block_tables[group]  # [G, max_blocks]
-        keys, values = (_gather(c, tables, longest) for c in (k_cache, v_cache))
+        lengths = [length[s] for s in group]
+        keys, values = (_gather(c, tables, lengths) for c in (k_cache, v_cache))
         mask = torch.arange(longest, device=q.device) <= torch.tensor(
             p_pad, device=q.device).view(len(group), r, 1)  # [G, R, L]
         o = _attend(q_pad.view(len(group), r, *q.shape[1:]), keys, values, mask, scale)
@@ -100,13 +101,18 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: tor
     return o.view(s, hkv, g, r, d).permute(0, 3, 1, 2, 4).reshape(s, r, hq, d)
 
 
-def _gather(cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` cached positions of each sequence `[S, length, Hkv, D]`; tables
-    [S, max_blocks] (entries past a sequence's blocks are read and masked off)."""
-    block_size = cache.shape[1]
-    blocks = tables[:, : (length + block_size - 1) // block_size].long()  # [S, nb]
+def _gather(cache: torch.Tensor, tables: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Each sequence's first positions, padded to the longest: `[S, max(lengths), Hkv, D]`.
+    NOTE: table entries past a sequence's own blocks are never read (they may be garbage):
+    its padding positions read its first block again, and are masked off."""
+    bs = cache.shape[1]
+    nb = (max(lengths) + bs - 1) // bs
+    blocks = tables[:, :nb].long()  # [S, nb]
+    own = torch.tensor([(n + bs - 1) // bs for n in lengths], device=blocks.device)  # [S]
+    blocks = torch.where(torch.arange(nb, device=blocks.device) < own[:, None], blocks,
+                         blocks[:, :1])
     rows = cache.index_select(0, blocks.flatten())  # [S * nb, block_size, Hkv, D]
-    return rows.view(blocks.shape[0], -1, *cache.shape[2:])[:, :length]
+    return rows.view(blocks.shape[0], -1, *cache.shape[2:])[:, : max(lengths)]
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
