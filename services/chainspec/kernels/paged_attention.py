@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from chainspec.kernels.paged_reference import (
+    ReferencePlan,
+    paged_attention_reference,
+    reference_plan,
+)
 from chainspec.kernels.triton_support import (
     interpreted_bf16_dot,
     launcher,
@@ -20,99 +25,30 @@ from chainspec.kernels.triton_support import (
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, plan: ReferencePlan | None = None) -> torch.Tensor:
     """Attention of packed query rows against a paged cache.
 
     q `[T, Hq, D]`; k_cache, v_cache `[blocks, block_size, Hkv, D]` (Hq = G * Hkv);
     block_tables `[S, max_blocks]` int32; row_seq `[T]` (-1 = padding row);
     positions `[T]` int64. Returns `[T, Hq, D]` in q's dtype. The Triton kernel on CUDA
-    tensors, the torch reference elsewhere.
+    tensors, the torch reference elsewhere (`plan`: from `attention_plan`, made once per
+    step for every layer; None: made here).
     """
     _check(q, k_cache, v_cache, block_tables, row_seq, positions)
     if use_kernel(q):
         return _paged_attention_triton(q, k_cache, v_cache, block_tables, row_seq, positions,
                                        scale)
     return paged_attention_reference(q, k_cache, v_cache, block_tables, row_seq, positions,
-                                     scale)
+                                     scale, plan)
 
 
-def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              block_tables: torch.Tensor, row_seq: torch.Tensor,
-                              positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """Torch reference (the CPU path and the test oracle): sequences of similar length are
-    batched (`_length_groups`); each group gathers its blocks up to its longest sequence
-    and attends (fp32) with a causal-by-position mask, so the cost follows each sequence's
-    own length (a long sequence does not make short ones read its keys). NOTE: syncs
-    (row grouping on the host); CPU path only."""
-    out = torch.zeros_like(q)  # [T, Hq, D]
-    seqs, pos = row_seq.tolist(), positions.tolist()
-    by_seq: dict[int, list[int]] = {}
-    for t, s in enumerate(seqs):
-        if s >= 0:
-            by_seq.setdefault(s, []).append(t)
-    length = {s: max(pos[t] for t in rows) + 1 for s, rows in by_seq.items()}
-    for group in _length_groups(sorted(by_seq, key=length.get), length):
-        r = max(len(by_seq[s]) for s in group)
-        src = [t for s in group for t in by_seq[s]]  # packed rows, group order
-        dst = [j * r + i for j, s in enumerate(group) for i in range(len(by_seq[s]))]
-        src_rows, dst_rows = (torch.tensor(x, device=q.device) for x in (src, dst))
-        q_pad = q.new_zeros(len(group) * r, *q.shape[1:])  # [G*R, Hq, D]
-        q_pad[dst_rows] = q[src_rows]
-        p_pad = [0] * (len(group) * r)  # padding rows see key 0 only
-        for i, t in zip(dst, src, strict=True):
-            p_pad[i] = pos[t]
-        longest = length[group[-1]]
-        tables = block_tables[group]  # [G, max_blocks]
-        lengths = [length[s] for s in group]
-        keys, values = (_gather(c, tables, lengths) for c in (k_cache, v_cache))
-        mask = torch.arange(longest, device=q.device) <= torch.tensor(
-            p_pad, device=q.device).view(len(group), r, 1)  # [G, R, L]
-        o = _attend(q_pad.view(len(group), r, *q.shape[1:]), keys, values, mask, scale)
-        out[src_rows] = o.flatten(0, 1)[dst_rows].to(q.dtype)
-    return out
-
-
-def _length_groups(order: list[int], length: dict[int, int]) -> list[list[int]]:
-    """Split sequences (sorted by length) into batches whose padding stays small: a new
-    batch starts when a length passes twice the batch's shortest plus 256."""
-    groups: list[list[int]] = []
-    for s in order:
-        if groups and length[s] <= 2 * length[groups[-1][0]] + 256:
-            groups[-1].append(s)
-        else:
-            groups.append([s])
-    return groups
-
-
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """q [S, R, Hq, D] over keys/values [S, L, Hkv, D], mask [S, R, L], in fp32, GQA groups
-    folded into rows (no repeated keys) -> [S, R, Hq, D]. NOTE: plain matmuls, not CPU
-    SDPA: with a mask and few rows (decode, verify) SDPA's CPU path costs several times
-    more and varies with L."""
-    s, r, hq, d = q.shape
-    hkv = keys.shape[2]
-    g = hq // hkv  # query head h reads kv head h // g
-    qg = q.float().view(s, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(s, hkv, g * r, d)
-    scores = torch.matmul(qg, keys.float().permute(0, 2, 3, 1)) * scale  # [S, Hkv, G*R, L]
-    # NOTE: fill, not add: masked keys may be stale blocks, never let them reach the sum
-    scores.masked_fill_(~mask.repeat(1, g, 1).unsqueeze(1), float("-inf"))
-    o = torch.matmul(scores.softmax(-1), values.float().transpose(1, 2))  # [S, Hkv, G*R, D]
-    return o.view(s, hkv, g, r, d).permute(0, 3, 1, 2, 4).reshape(s, r, hq, d)
-
-
-def _gather(cache: torch.Tensor, tables: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Each sequence's first positions, padded to the longest: `[S, max(lengths), Hkv, D]`.
-    NOTE: table entries past a sequence's own blocks are never read (they may be garbage):
-    its padding positions read its first block again, and are masked off."""
-    bs = cache.shape[1]
-    nb = (max(lengths) + bs - 1) // bs
-    blocks = tables[:, :nb].long()  # [S, nb]
-    own = torch.tensor([(n + bs - 1) // bs for n in lengths], device=blocks.device)  # [S]
-    blocks = torch.where(torch.arange(nb, device=blocks.device) < own[:, None], blocks,
-                         blocks[:, :1])
-    rows = cache.index_select(0, blocks.flatten())  # [S * nb, block_size, Hkv, D]
-    return rows.view(blocks.shape[0], -1, *cache.shape[2:])[:, : max(lengths)]
+def attention_plan(block_tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor,
+                   block_size: int) -> ReferencePlan | None:
+    """The reference's per-step plan, or None where the kernel runs (it needs none, and a
+    plan would sync)."""
+    if use_kernel(positions):
+        return None
+    return reference_plan(block_tables, row_seq, positions, block_size)
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

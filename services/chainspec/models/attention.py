@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from chainspec.kernels.kv_store import store_kv
-from chainspec.kernels.paged_attention import paged_attention
+from chainspec.kernels.paged_attention import attention_plan, paged_attention
 from chainspec.models.kv_cache import PagedKVCache
 
 
@@ -71,13 +71,16 @@ class PagedAttention:
         self.cache = cache
         self.batch = batch
         self.scale = scale
+        # the CPU reference's grouping and masks, once for every layer (None on the kernel)
+        self.plan = attention_plan(batch.block_tables, batch.row_seq, batch.positions,
+                                   cache.block_size)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                ) -> torch.Tensor:
         b, keys, values = self.batch, self.cache.keys[layer], self.cache.values[layer]
         store_kv(k, v, keys, values, b.slot_mapping)
         return paged_attention(q, keys, values, b.block_tables, b.row_seq, b.positions,
-                               self.scale)  # [T, Hq, D]
+                               self.scale, self.plan)  # [T, Hq, D]
 
 
 class DenseCausal:
