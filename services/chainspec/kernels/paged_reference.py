@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+SDPA_MAX_KEYS = 512  # attention over at most this many keys goes through SDPA
 
 @dataclass(frozen=True)
 class _Group:
@@ -123,10 +125,16 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Ten
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             hidden: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q [S, R, Hq, D] over keys/values [S, L, Hkv, D] in fp32, GQA groups folded into
-    rows (no repeated keys) -> [S, R, Hq, D]. NOTE: plain matmuls, not CPU SDPA: with a
-    mask and few rows (decode, verify) SDPA's CPU path costs several times more and
-    varies with L."""
+    rows (no repeated keys) -> [S, R, Hq, D]. NOTE: past SDPA_MAX_KEYS keys, plain
+    matmuls, not CPU SDPA: with a mask and few rows (decode, verify) SDPA's CPU path
+    costs several times more there and varies with L."""
     s, r, hq, d = q.shape
+    if keys.shape[1] <= SDPA_MAX_KEYS:  # short: SDPA's fixed cost is the smaller one
+        mask = None if hidden is None else ~hidden[:, None]  # [S, 1, R, L]
+        o = F.scaled_dot_product_attention(
+            q.float().transpose(1, 2), keys.float().transpose(1, 2),
+            values.float().transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.transpose(1, 2)  # [S, R, Hq, D]
     hkv = keys.shape[2]
     g = hq // hkv  # query head h reads kv head h // g
     qg = q.float().view(s, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(s, hkv, g * r, d)
