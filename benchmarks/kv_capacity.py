@@ -130,7 +130,7 @@ def markdown(r: dict) -> str:
             "| layout | sequences running (queue non-empty) | preemptions |\n|---|---|---|\n"
             f"| fixed slots | {r['slots_admitted']} | - |\n"
             f"| paged | mean {p['mean_running']:.1f}, median {p['median_running']}, max "
-            f"{p['max_running']} | {p['preemptions']} |\n\n"
+            f"{p['max_running']} | {p['preemptions']} |\n"
             f"| paged, whole final lengths reserved | {r['fit_whole_lengths']} | - |\n\n"
             f"Paged runs **{r['ratio_mean_running']}x** the sequences of fixed slots on "
             f"average, {r['ratio_median_running']}x at the median (block usage "
