@@ -40,6 +40,14 @@ def test_greedy_outputs_equal_plain_when_the_pool_is_too_small(pair, plain, spec
     assert eng.allocator.num_used == 0  # every block came back
 
 
+def test_draft_ahead_stays_lossless_under_preemption(pair, plain):
+    target, draft = pair
+    eng = engine(target, draft, kv=TIGHT, draft_ahead=True)
+    got, _ = outputs(eng, prompts(8), max_tokens=30)
+    assert got == plain and eng.preemptions > 0
+    assert eng.ahead_hits + eng.ahead_misses > 0  # look-aheads were judged
+
+
 def test_sampled_outputs_survive_preemption(pair):
     target, draft = pair
     roomy, _ = outputs(engine(target, draft), prompts(8), 30, temperature=0.8)

@@ -44,6 +44,7 @@ def requeue(req: Request) -> None:
     req.recompute_len = len(req.tokens) - 1 if req.num_generated else 0
     req.num_computed = 0
     req.drafts, req.drafter_synced, req.resync_at = None, False, None
+    req.drafts_ahead, req.ahead = False, None  # a look-ahead is for a round now gone
     req.preemptions += 1
 
 
