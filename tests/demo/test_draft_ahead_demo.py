@@ -48,9 +48,9 @@ def test_hits_verify_the_look_ahead_drafts_and_tell_the_drafter(demo_models, hel
     monkeypatch.setattr(eng.drafter, "submit", lambda ups: (sent.extend(ups), submit(ups)))
     run_verify = verifier_module.run_verify
 
-    def spy(model, cache, work, device):
+    def spy(model, cache, work, device, *graphs):
         verified.extend(w for w in work if w.ahead)
-        return run_verify(model, cache, work, device)
+        return run_verify(model, cache, work, device, *graphs)
     monkeypatch.setattr(verifier_module, "run_verify", spy)
     got = [c.tokens for c in run_to_completion(eng, prompts, GREEDY, STOP).completions]
     assert got == _plain(demo_models, prompts)
@@ -111,8 +111,8 @@ def test_metrics_count_hits_misses_and_look_ahead_acceptance(demo_models,
     verified = []
     run_verify = verifier_module.run_verify
 
-    def spy(model, cache, work, device):
-        result = run_verify(model, cache, work, device)
+    def spy(model, cache, work, device, *graphs):
+        result = run_verify(model, cache, work, device, *graphs)
         verified.extend((w, v.accepted) for w, v in zip(work, result.verdicts, strict=True)
                         if w.ahead)
         return result

@@ -14,7 +14,7 @@ from chainspec.engine.draft_step import draft_round
 from chainspec.engine.draft_types import SeqUpdate
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from chainspec.engine.graph_runner import GraphRunner, StaticDraftBuffers, default_buckets
-from chainspec.models.kv_cache import KVCache
+from chainspec.models.kv_cache import PagedKVCache
 from tests.unit.draft_reference import reference_drafts
 from tests.unit.engine_fixtures import engine, outputs, prompts, tied_pair
 from tests.unit.tiny_models import tiny_draft_model
@@ -22,19 +22,22 @@ from tests.unit.tiny_models import tiny_draft_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (none visible to torch)")
 K, HIDDEN, MAX_LEN = 3, 32, 64
+BLOCK, NUM_BLOCKS = 4, 8 * 64 // 4
 CUDA = torch.device("cuda")
 
 
 def _windows(n: int, seed: int) -> list[Window]:
     rng = random.Random(seed)
-    return [Window(slot=s, first_pos=rng.randint(0, 20),
+    pool = list(range(NUM_BLOCKS))
+    rng.shuffle(pool)  # scattered blocks: sequence s owns pool[16 s : 16 s + 16]
+    return [Window(blocks=tuple(pool[16 * s: 16 * s + 16]), first_pos=rng.randint(0, 20),
                    hidden=torch.randn(rows, HIDDEN), tokens=torch.randint(0, 61, (rows,)),
                    temperature=0.7 if s % 2 else 0.0, seed=s)
             for s in range(n) for rows in [rng.randint(1, 2 * K)]]
 
 
 def _runner(model, cache, use_graphs: bool) -> GraphRunner:
-    buffers = StaticDraftBuffers(8, K, HIDDEN, MAX_LEN, CUDA, torch.float32)
+    buffers = StaticDraftBuffers(8, K, HIDDEN, MAX_LEN, BLOCK, CUDA, torch.float32)
     runner = GraphRunner(lambda b: draft_round(model, cache, b, K, True, 4), buffers,
                          default_buckets(8), use_graphs)
     runner.capture()
@@ -45,7 +48,7 @@ def _runner(model, cache, use_graphs: bool) -> GraphRunner:
 def test_replay_equals_eager(num_seqs: int) -> None:
     model = tiny_draft_model(2).to(CUDA)
     cfg = model.config
-    caches = [KVCache(K, 8, MAX_LEN, cfg.num_kv_heads, cfg.head_dim, device=CUDA)
+    caches = [PagedKVCache(K, NUM_BLOCKS, BLOCK, cfg.num_kv_heads, cfg.head_dim, device=CUDA)
               for _ in range(2)]
     graphs, eager = _runner(model, caches[0], True), _runner(model, caches[1], False)
     assert len(graphs.graphs) == len(graphs.buckets)

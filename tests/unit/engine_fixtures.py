@@ -7,11 +7,14 @@ from collections.abc import Sequence
 
 from chainspec.engine.draft_client import LocalDraftClient
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
+from chainspec.engine.kv_budget import KVBudget
 from chainspec.engine.request import StopConditions
 from chainspec.engine.runner import run_to_completion
 from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.verifier import VerifierConfig, VerifierEngine
 from tests.unit.tiny_models import tiny_draft_model, tiny_target
+
+ROOMY = KVBudget()  # as many blocks as fixed slots would take
 
 
 def tied_pair(vocab: int = 61, modules: int = 2, seed: int = 0):
@@ -26,14 +29,16 @@ def tied_pair(vocab: int = 61, modules: int = 2, seed: int = 0):
 def engine(target, draft=None, k: int = 3, chain: bool = True, max_seqs: int = 8,
            chunk: int = 512, client=None, top_k: int = 4, sampled_drafts: bool = True,
            eos_ids: Sequence[int] = (), detokenize=None, groups: int = 1,
-           draft_ahead: bool = False) -> VerifierEngine:
+           draft_ahead: bool = False, kv: KVBudget = ROOMY,
+           drafter_kv: KVBudget = ROOMY) -> VerifierEngine:
     if client is None and draft is not None:
         client = LocalDraftClient(DrafterEngine(draft, DrafterConfig(
-            num_steps=k, chain=chain, max_seqs=max_seqs, max_len=256, top_k=top_k)))
+            num_steps=k, chain=chain, max_seqs=max_seqs, max_len=256, top_k=top_k,
+            kv=drafter_kv)))
     cfg = VerifierConfig(num_steps=k, max_seqs=max_seqs, max_len=256, prefill_chunk=chunk,
                          max_batch_tokens=max(64, max_seqs * (k + 1)),
                          sampled_drafts=sampled_drafts, groups=groups,
-                         draft_ahead=draft_ahead)
+                         draft_ahead=draft_ahead, kv=kv)
     return VerifierEngine(target, cfg, client, eos_ids, detokenize)
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from chainspec.models.attention import AttnBatch, DenseCausal, PagedAttention, SeqRows
-from chainspec.models.kv_cache import KVCache
+from chainspec.models.kv_cache import PagedKVCache
 from chainspec.models.loader import load_draft_model
 from tests.unit.checkpoints import (
     FAMILY_GLUE,
@@ -33,6 +33,8 @@ from tests.unit.checkpoints import (
 
 MODULES = 3  # modules written to every checkpoint
 SEQ = 10  # rows per sequence
+BLOCK = 4  # KV block size of the paged-chunk test
+TABLES = {0: [4, 1, 3], 1: [0, 5, 2]}  # interleaved, out of order: mix-ups show
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,8 @@ def test_family_matches_reference_dense(tmp_path, name, modules, steps, chain):
 def run_chunk(model, cache, seqs, chunk, steps):
     """One packed forward per draft step over rows [lo, hi) of each slot's sequence.
     seqs {slot: (x, h)}, chunk {slot: (lo, hi)} -> {slot: [g_k rows for k = 1..K]}."""
-    batch = AttnBatch.build([SeqRows(slot, lo, hi - lo) for slot, (lo, hi) in chunk.items()])
+    batch = AttnBatch.build([SeqRows(TABLES[slot], lo, hi - lo) for slot, (lo, hi) in
+                             chunk.items()], BLOCK)
     backend = PagedAttention(cache, batch, model.config.head_dim ** -0.5)
     prev = torch.cat([seqs[slot][1][lo:hi] for slot, (lo, hi) in chunk.items()])
     sizes = [hi - lo for lo, hi in chunk.values()]
@@ -225,7 +228,7 @@ def test_family_matches_reference_paged_chunks(tmp_path, name):
     model, steps = load_draft_model(tmp_path, num_modules=2), 3
     seqs = {1: inputs(cfg, 1), 0: inputs(cfg, 2)}  # slot -> (x, h)
     chunks = [{1: (0, 4), 0: (0, 7)}, {1: (4, SEQ), 0: (7, SEQ)}]  # slot -> rows [lo, hi)
-    cache = KVCache(steps, 2, SEQ, model.config.num_kv_heads, model.config.head_dim)
+    cache = PagedKVCache(steps, 6, BLOCK, model.config.num_kv_heads, model.config.head_dim)
     got = {slot: [[] for _ in range(steps)] for slot in seqs}
     for chunk in chunks:
         for slot, per_step in run_chunk(model, cache, seqs, chunk, steps).items():

@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from chainspec.models.attention import AttnBatch, PagedAttention, SeqRows
-from chainspec.models.kv_cache import KVCache
+from chainspec.models.kv_cache import PagedKVCache
 from chainspec.models.loader import load_target
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -41,7 +41,9 @@ CASES = {
     "mistral": (MistralForCausalLM, MistralConfig, dict(sliding_window=None)),
 }
 LENGTHS = {"a": 9, "b": 11, "c": 5}
-SLOTS = {"a": 2, "b": 0, "c": 1}  # not in sequence order, so slot mix-ups show
+BLOCK = 4
+# Interleaved, out-of-order blocks, so block-table mix-ups show.
+TABLES = {"a": [5, 0, 7], "b": [1, 8, 3], "c": [6, 2]}
 # Each step packs rows [lo, hi) of several sequences into one forward.
 SCHEDULE = [
     {"a": (0, 7), "b": (0, 4), "c": (0, 1)},  # a prefill, b first chunk, c one row
@@ -69,10 +71,11 @@ def hf_logits(model, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def packed_logits(model, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Run SCHEDULE through chainspec; logits of every row, gathered per sequence."""
     cfg = model.config
-    cache = KVCache(cfg.num_layers, len(SLOTS), 16, cfg.num_kv_heads, cfg.head_dim)
+    cache = PagedKVCache(cfg.num_layers, 9, BLOCK, cfg.num_kv_heads, cfg.head_dim)
     rows: dict[str, list[torch.Tensor]] = {s: [] for s in ids}
     for step in SCHEDULE:
-        batch = AttnBatch.build([SeqRows(SLOTS[s], lo, hi - lo) for s, (lo, hi) in step.items()])
+        batch = AttnBatch.build([SeqRows(TABLES[s], lo, hi - lo) for s, (lo, hi) in step.items()],
+                                BLOCK)
         tokens = torch.cat([ids[s][lo:hi] for s, (lo, hi) in step.items()])
         with torch.no_grad():
             hidden = model(tokens, batch.positions,

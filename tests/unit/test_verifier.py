@@ -188,7 +188,7 @@ def test_abort_frees_slot_and_drafter_state(pair) -> None:
     assert eng.drafter.engine.load == 1
     while eng.has_work:
         eng.step()
-    assert eng.drafter.engine.load == 0 and len(eng.free_slots) == 2
+    assert eng.drafter.engine.load == 0 and eng.allocator.num_used == 0
 
 
 @pytest.mark.parametrize("prompt,stop,message", [

@@ -98,6 +98,8 @@ class StackConfig:
     drafter_max_seqs: int = 64  # sequence slots per drafter (it serves every verifier)
     max_len: int = 1024
     dtype: str = "float32"
+    kv_cache_memory: int | None = None  # each verifier's paged KV bytes (default: slots')
+    kv_cache_fraction: float | None = None  # or a share of free device memory (CUDA)
     drafter: DrafterRoleConfig = field(default_factory=DrafterRoleConfig)
     verifier: RoleConfig = field(default_factory=RoleConfig)
     host: str = "127.0.0.1"  # gRPC bind address; 0.0.0.0 advertises the node's IP
@@ -126,8 +128,7 @@ class StackConfig:
     draft_ahead: bool = False  # verifiers use drafters' look-ahead drafts on a hit (4.8)
 
     def __post_init__(self) -> None:
-        LocalOptions(Path(self.model_dir), self.num_steps, self.chain, self.max_seqs,
-                     self.max_len, self.dtype)  # validates the model fields
+        self.local_options("verifier")  # validates the model and KV fields
         if min(self.num_steps, self.max_seqs, self.drafter_max_seqs,
                self.pipeline_groups) < 1 or self.max_len < 2 * self.num_steps + 2:
             raise ValueError("num_steps, max_seqs, drafter_max_seqs and pipeline_groups "
@@ -172,7 +173,8 @@ class StackConfig:
 
     def local_options(self, role: str) -> LocalOptions:
         return LocalOptions(Path(self.model_dir), self.num_steps, self.chain, self.max_seqs,
-                            self.max_len, self.dtype, self.role(role).device)
+                            self.max_len, self.dtype, self.role(role).device,
+                            self.kv_cache_memory, self.kv_cache_fraction)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -64,7 +64,8 @@ def resolve(args: argparse.Namespace) -> DrafterCommand:
     local = local_options(args)
     drafter = DrafterConfig(num_steps=local.num_steps, chain=local.chain,
                             max_seqs=local.max_seqs, max_len=local.max_len,
-                            top_k=args.draft_top_k, use_graphs=not args.eager)
+                            top_k=args.draft_top_k, use_graphs=not args.eager,
+                            kv=local.kv_budget)
     server = server_options(args)
     name = args.model_name or Path(local.model_dir).resolve().name
     return DrafterCommand(local, drafter, server, name)

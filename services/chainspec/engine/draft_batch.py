@@ -8,6 +8,7 @@ drafts, so module k reads token stream[r + k - 1] at window row r.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from chainspec.models.attention import AttnBatch
 
 @dataclass(frozen=True)
 class Window:
-    slot: int
+    blocks: tuple[int, ...]  # the sequence's block table (covers the window's rows)
     first_pos: int  # w0: position of the window's first row
     hidden: torch.Tensor  # [R, H]: h[w0 .. w0+R-1]
     tokens: torch.Tensor  # [R] int64: x[w0+1 .. w0+R]
@@ -51,44 +52,46 @@ class PackedIndex:
 
     positions: list[int]
     slot_mapping: list[int]
-    seq_slots: list[int]
-    row_index: list[list[int]]
     row_seq: list[int]
-    row_offset: list[int]
+    block_tables: list[list[int]]
     row_tok: list[int]
     last_row: list[int]
     last_tok: list[int]
 
 
-def pack_index(windows: Sequence[Window], num_steps: int, stride: int | None = None,
-               num_seqs: int | None = None) -> PackedIndex:
+def pack_index(windows: Sequence[Window], num_steps: int, block_size: int,
+               stride: int | None = None, num_seqs: int | None = None,
+               width: int | None = None) -> PackedIndex:
     """Index arrays for `windows`. With `stride`, sequence s owns rows [s*stride, (s+1)*stride)
-    and there are `num_seqs` sequences (padding rows and sequences get slot -1); without,
-    rows are packed back to back."""
+    and there are `num_seqs` sequences (padding rows get slot -1 and row_seq -1, padding
+    sequences an all-zero block table); without, rows are packed back to back. `width`:
+    block table columns (default: the widest window's)."""
     num_seqs = num_seqs if stride else len(windows)
     tok_stride = (stride or max(w.num_rows for w in windows)) + num_steps
-    idx = PackedIndex([], [], [], [], [], [], [], [], [])
+    width = width or max(len(w.blocks) for w in windows)
+    idx = PackedIndex([], [], [], [], [], [], [])
     for s in range(num_seqs):
         w = windows[s] if s < len(windows) else None
         real = w.num_rows if w else 0
-        rows = stride or real
         base = len(idx.positions)
-        idx.seq_slots.append(w.slot if w else -1)
-        for r in range(rows):
+        blocks = list(w.blocks) if w else []
+        idx.block_tables.append(blocks + [0] * (width - len(blocks)))
+        for r in range(stride or real):
             ok = r < real
-            idx.positions.append(w.first_pos + r if ok else 0)
-            idx.slot_mapping.append(w.slot if ok else -1)
-            idx.row_seq.append(s)
-            idx.row_offset.append(r)
+            pos = w.first_pos + r if ok else 0
+            idx.positions.append(pos)
+            idx.slot_mapping.append(blocks[pos // block_size] * block_size + pos % block_size
+                                    if ok else -1)
+            idx.row_seq.append(s if ok else -1)
             idx.row_tok.append(s * tok_stride + (r if ok else 0))
-        idx.row_index.append(list(range(base, base + rows)))
         idx.last_row.append(base + max(real - 1, 0))
         idx.last_tok.append(s * tok_stride + max(real - 1, 0))
-    if not stride:  # ragged: pad row_index with the sentinel row T
-        qmax = max(len(r) for r in idx.row_index)
-        total = len(idx.positions)
-        idx.row_index[:] = [r + [total] * (qmax - len(r)) for r in idx.row_index]
     return idx
+
+
+def table_width(max_len: int, block_size: int) -> int:
+    """Block table columns that hold `max_len` positions."""
+    return math.ceil(max_len / block_size)
 
 
 def token_stream(windows: Sequence[Window], stride: int, num_seqs: int) -> torch.Tensor:
@@ -99,18 +102,17 @@ def token_stream(windows: Sequence[Window], stride: int, num_seqs: int) -> torch
     return out.view(-1)
 
 
-def build_compact(windows: Sequence[Window], num_steps: int,
+def build_compact(windows: Sequence[Window], num_steps: int, block_size: int,
                   device: torch.device | str, dtype: torch.dtype) -> DraftBatch:
     """A fresh, tightly packed batch for the eager path (prefill, resync, big windows)."""
-    idx = pack_index(windows, num_steps)
+    idx = pack_index(windows, num_steps, block_size)
     tok_stride = max(w.num_rows for w in windows) + num_steps
 
     def t(x: list) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int64, device=device)
 
-    kv_len = max(w.first_pos + w.num_rows for w in windows)
-    attn = AttnBatch(t(idx.positions), t(idx.slot_mapping), t(idx.seq_slots), t(idx.row_index),
-                     t(idx.row_seq), t(idx.row_offset), kv_len)
+    attn = AttnBatch(t(idx.positions), t(idx.slot_mapping), t(idx.row_seq),
+                     torch.tensor(idx.block_tables, dtype=torch.int32, device=device))
     return DraftBatch(
         attn=attn,
         hidden=torch.cat([w.hidden for w in windows]).to(device=device, dtype=dtype),

@@ -11,7 +11,7 @@ from chainspec.engine.draft_batch import DraftBatch
 from chainspec.engine.sampling import NoiseStream, draft_topk, exponential_noise
 from chainspec.engine.step_clock import StepClock
 from chainspec.models.attention import PagedAttention
-from chainspec.models.kv_cache import KVCache
+from chainspec.models.kv_cache import PagedKVCache
 from chainspec.models.mtp import MTPDraftModel
 
 
@@ -23,7 +23,7 @@ class DraftOutput:
     chain: torch.Tensor  # [S, K, H]: g[k] at each sequence's last row (draft-ahead input)
 
 
-def draft_round(model: MTPDraftModel, cache: KVCache, batch: DraftBatch, num_steps: int,
+def draft_round(model: MTPDraftModel, cache: PagedKVCache, batch: DraftBatch, num_steps: int,
                 chain: bool, top_k: int, clock: StepClock | None = None) -> DraftOutput:
     """Run steps 1..K. Step k reads tokens[row_tok + k - 1] and g[k-1] (chain) or h, and
     writes its draft at tokens[last_tok + k] for step k+1 to read. `clock` (never while

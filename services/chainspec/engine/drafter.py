@@ -1,18 +1,19 @@
 """The drafter engine: per-sequence state and batched draft rounds (DESIGN 3.1-3.2, 4.1).
 
-Per sequence it keeps a KV slot (one KV layer per draft step) and the last K-1 committed
-rows (h_p, x[p+1]). Each update's window starts with those history rows, so every KV
-entry that survives a round was computed from committed tokens only.
+Per sequence it keeps a block table into a paged KV cache (one KV layer per draft step)
+and the last K-1 committed rows (h_p, x[p+1]). Each update's window starts with those
+history rows, so every KV entry that survives a round was computed from committed tokens only.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from chainspec.engine.block_allocator import BlockTable
 from chainspec.engine.draft_batch import Window, build_compact
 from chainspec.engine.draft_step import DraftOutput, draft_round
 from chainspec.engine.draft_types import (
@@ -24,10 +25,10 @@ from chainspec.engine.draft_types import (
     SeqUpdate,
 )
 from chainspec.engine.graph_runner import GraphRunner, StaticDraftBuffers, default_buckets
+from chainspec.engine.kv_budget import KVBudget, paged_cache
 from chainspec.engine.lookahead import AheadSource, ahead_entry, ahead_window
 from chainspec.engine.observer import DrafterObserver, DraftRoundRecord
 from chainspec.engine.step_clock import StepClock
-from chainspec.models.kv_cache import KVCache
 from chainspec.models.mtp import MTPDraftModel
 
 
@@ -35,11 +36,12 @@ from chainspec.models.mtp import MTPDraftModel
 class DrafterConfig:
     num_steps: int = 3  # K
     chain: bool = True
-    max_seqs: int = 64
+    max_seqs: int = 64  # cap on sequences held (KV memory is `kv`'s business)
     max_len: int = 2048
     top_k: int = 8  # support size of sampled draft distributions
     use_graphs: bool = True  # CUDA graphs when on a GPU
     max_graph_batch: int = 64
+    kv: KVBudget = field(default_factory=KVBudget)  # paged KV cache size
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -51,8 +53,8 @@ class DrafterConfig:
 
 
 class _SeqState:
-    def __init__(self, slot: int, seed: int) -> None:
-        self.slot = slot
+    def __init__(self, seed: int) -> None:
+        self.blocks = BlockTable()
         self.seed = seed
         self.next_start = 0  # the `start` the next update must carry
         self.hist_hidden: torch.Tensor | None = None  # [m, H]: h of the last m rows
@@ -73,15 +75,15 @@ class DrafterEngine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         c = config
-        self.cache = KVCache(c.num_steps, c.max_seqs, c.max_len, model.config.num_kv_heads,
-                             model.config.head_dim, self.dtype, self.device)
+        self.cache, self.allocator = paged_cache(
+            c.num_steps, model.config.num_kv_heads, model.config.head_dim, c.kv, c.max_seqs,
+            c.max_len, self.dtype, self.device)
         self.seqs: dict[int, _SeqState] = {}
         self._ahead: list[AheadSource] = []  # asked for by the last update, not yet run
         self.ahead_rounds = 0
-        self.free_slots = list(range(c.max_seqs - 1, -1, -1))
         graph_batch = min(c.max_graph_batch, c.max_seqs)
         buffers = StaticDraftBuffers(graph_batch, c.num_steps, self.hidden_size, c.max_len,
-                                     self.device, self.dtype)
+                                     c.kv.block_size, self.device, self.dtype)
         self.runner = GraphRunner(self._round, buffers, default_buckets(graph_batch),
                                   c.use_graphs)
         self.runner.capture()
@@ -100,7 +102,7 @@ class DrafterEngine:
         for seq_id in seq_ids:
             state = self.seqs.pop(seq_id, None)
             if state is not None:
-                self.free_slots.append(state.slot)
+                state.blocks.release(self.allocator)
         if self.observer is not None:
             self._observe_occupancy()
 
@@ -147,13 +149,17 @@ class DrafterEngine:
         moved on or left since are skipped. Changes no sequence state."""
         todo = self.pending_ahead() if todo is None else todo
         K = self.config.num_steps
+        # NOTE: a look-ahead writes positions up to base + m - 1; a sequence whose blocks
+        # cannot cover them gets none (it is a guess), and keeps what it had.
         todo = [src for src in todo if src.seq_id in self.seqs and
                 self.seqs[src.seq_id].next_start == src.base and
-                src.base + src.verify.shape[0] + K <= self.config.max_len]
+                src.base + src.verify.shape[0] + K <= self.config.max_len and
+                self.seqs[src.seq_id].blocks.ensure(self.allocator,
+                                                    src.base + src.verify.shape[0])]
         if not todo:
             return []
         states = [self.seqs[src.seq_id] for src in todo]
-        windows = [ahead_window(src, st.slot, st.hist_hidden, st.hist_tokens)
+        windows = [ahead_window(src, tuple(st.blocks.blocks), st.hist_hidden, st.hist_tokens)
                    for src, st in zip(todo, states, strict=True)]
         self._clock = None  # NOTE: the observer times exact rounds only
         out, _ = self._run(windows)
@@ -179,9 +185,7 @@ class DrafterEngine:
         self._observe_occupancy()
 
     def _observe_occupancy(self) -> None:
-        rows = sum(s.next_start for s in self.seqs.values())
-        self.observer.occupancy(len(self.seqs), rows / (self.config.max_seqs *
-                                                        self.config.max_len))
+        self.observer.occupancy(len(self.seqs), self.allocator.usage)
 
     def _check(self, upd: SeqUpdate, seen: set[int]) -> SeqFailure | None:
         def bad(msg: str) -> SeqFailure:
@@ -212,10 +216,10 @@ class DrafterEngine:
         state = self.seqs.get(upd.seq_id)
         if upd.start == 0:  # a new sequence, or a resync from scratch
             if state is None:
-                if not self.free_slots:
+                if len(self.seqs) >= self.config.max_seqs:
                     return None, SeqFailure(upd.seq_id, ErrorCode.RESOURCE_EXHAUSTED,
                                             f"drafter is full ({self.config.max_seqs} sequences)")
-                state = _SeqState(self.free_slots.pop(), _signed64(upd.sampling.seed))
+                state = _SeqState(_signed64(upd.sampling.seed))
                 self.seqs[upd.seq_id] = state
             state.next_start, state.hist_hidden, state.hist_tokens = 0, None, None
         elif state is None or upd.start != state.next_start:
@@ -224,14 +228,21 @@ class DrafterEngine:
             return None, SeqFailure(upd.seq_id, ErrorCode.FAILED_PRECONDITION,
                                     f"cannot continue sequence {upd.seq_id} at start "
                                     f"{upd.start}: {what}", expected)
+        if not state.blocks.ensure(self.allocator, upd.start + len(upd.tokens)):
+            # NOTE: the sequence leaves (blocks freed for the others); the verifier decodes
+            # it plainly and resyncs it later. No round ran, so no draft is wrong.
+            self.release([upd.seq_id])
+            return None, SeqFailure(upd.seq_id, ErrorCode.RESOURCE_EXHAUSTED,
+                                    f"drafter is out of KV blocks ({self.allocator.num_blocks}"
+                                    f" of {self.allocator.block_size} positions)")
         hidden = upd.hidden.to(self.dtype)
         tokens = torch.tensor(upd.tokens, dtype=torch.int64)
         if state.hist_hidden is not None:
             hidden = torch.cat([state.hist_hidden, hidden])
             tokens = torch.cat([state.hist_tokens, tokens])
         m = 0 if state.hist_hidden is None else state.hist_hidden.shape[0]
-        return Window(state.slot, upd.start - m, hidden, tokens, upd.sampling.temperature,
-                      state.seed), None
+        return Window(tuple(state.blocks.blocks), upd.start - m, hidden, tokens,
+                      upd.sampling.temperature, state.seed), None
 
     def _run(self, windows: list[Window]) -> tuple[DraftOutput, str | None]:
         """The round's drafts, and why it ran eagerly (None: a CUDA graph replayed)."""
@@ -242,7 +253,8 @@ class DrafterEngine:
         self.runner.eager_runs += 1
         reason = "batch_too_large" if len(windows) > self.runner.max_batch \
             else "window_too_large"
-        return self._round(build_compact(windows, self.config.num_steps, self.device,
+        return self._round(build_compact(windows, self.config.num_steps,
+                                         self.config.kv.block_size, self.device,
                                          self.dtype)), reason
 
     def _commit(self, upd: SeqUpdate, window: Window) -> None:
@@ -268,12 +280,4 @@ def _signed64(seed: int | None) -> int:
     if seed is None:
         return int(torch.randint(0, 2 ** 62, ()).item())
     return seed - (1 << 64) if seed >= 1 << 63 else seed
-
-
-def drafter_capacity_bytes(config: DrafterConfig, model: MTPDraftModel) -> int:
-    """KV bytes the drafter allocates for `config` (for sizing and metrics)."""
-    c = model.config
-    elem = torch.finfo(next(model.parameters()).dtype).bits // 8
-    return 2 * config.num_steps * config.max_seqs * config.max_len * c.kv_size * elem
-
 

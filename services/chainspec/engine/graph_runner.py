@@ -1,11 +1,13 @@
 """Static-buffer runner for steady-state draft rounds (windows of at most 2K rows).
 
 One `StaticDraftBuffers` owns every tensor a captured round reads or writes, allocated
-once for the largest bucket. `prepare` fills all of it, padding rows and padding
-sequences included (slot -1: they write no KV). Each bucket is a prefix view of the
-buffers, so a graph captured for bucket b keeps reading the same memory. On CUDA the
-round is captured per bucket and replayed; elsewhere the same view runs eagerly. Both
-call `draft_round`.
+once for the largest bucket, block tables and row -> sequence maps included. `prepare`
+fills all of it, padding rows and padding sequences included (slot -1 and row_seq -1:
+they write no KV and read none). Each bucket is a prefix view of the buffers, so a graph
+captured for bucket b keeps reading the same memory; attention reads each sequence's
+keys only up to its rows' positions, so a replay costs what the real lengths cost, not
+`max_len`. On CUDA the round is captured per bucket and replayed; elsewhere the same view
+runs eagerly. Both call `draft_round`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from chainspec.engine.draft_batch import (
     Window,
     any_sampled,
     pack_index,
+    table_width,
     token_stream,
 )
 from chainspec.engine.draft_step import DraftOutput
@@ -39,10 +42,11 @@ class GraphKey:
 
 class StaticDraftBuffers:
     def __init__(self, max_seqs: int, num_steps: int, hidden_size: int, max_len: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 block_size: int, device: torch.device, dtype: torch.dtype) -> None:
         self.rows_per_seq = 2 * num_steps
         self.tok_stride = self.rows_per_seq + num_steps
-        self.num_steps, self.max_len = num_steps, max_len
+        self.num_steps, self.block_size = num_steps, block_size
+        self.width = table_width(max_len, block_size)
         rows = max_seqs * self.rows_per_seq
 
         def ints(*shape: int) -> torch.Tensor:
@@ -50,10 +54,8 @@ class StaticDraftBuffers:
 
         self.positions = ints(rows)
         self.slot_mapping = ints(rows)
-        self.seq_slots = ints(max_seqs)
-        self.row_index = ints(max_seqs, self.rows_per_seq)
         self.row_seq = ints(rows)
-        self.row_offset = ints(rows)
+        self.block_tables = torch.zeros(max_seqs, self.width, dtype=torch.int32, device=device)
         self.row_tok = ints(rows)
         self.last_row = ints(max_seqs)
         self.last_tok = ints(max_seqs)
@@ -64,13 +66,14 @@ class StaticDraftBuffers:
 
     def prepare(self, windows: Sequence[Window], batch_size: int) -> None:
         """Fill the first `batch_size` sequences' worth of every buffer."""
-        idx = pack_index(windows, self.num_steps, self.rows_per_seq, batch_size)
+        idx = pack_index(windows, self.num_steps, self.block_size, self.rows_per_seq,
+                         batch_size, self.width)
         rows = batch_size * self.rows_per_seq
-        for name in ("positions", "slot_mapping", "row_seq", "row_offset", "row_tok"):
+        for name in ("positions", "slot_mapping", "row_seq", "row_tok"):
             getattr(self, name)[:rows].copy_(torch.tensor(getattr(idx, name)))
-        for name in ("seq_slots", "last_row", "last_tok"):
+        for name in ("last_row", "last_tok"):
             getattr(self, name)[:batch_size].copy_(torch.tensor(getattr(idx, name)))
-        self.row_index[:batch_size].copy_(torch.tensor(idx.row_index))
+        self.block_tables[:batch_size].copy_(torch.tensor(idx.block_tables))
         self.tokens[: batch_size * self.tok_stride].copy_(
             token_stream(windows, self.tok_stride, batch_size))
         hidden = self.hidden[:rows].view(batch_size, self.rows_per_seq, -1)
@@ -82,14 +85,11 @@ class StaticDraftBuffers:
         seeds = [w.seed for w in windows] + [0] * (batch_size - len(windows))
         self.seed[:batch_size].copy_(torch.tensor(seeds))
 
-    def view(self, batch_size: int, kv_len: int | None = None,
-             sampled: bool = True) -> DraftBatch:
-        """Bucket `batch_size`'s prefix of every buffer. A captured graph reads all
-        `max_len` keys; an eager run may read only the `kv_len` the batch needs."""
+    def view(self, batch_size: int, sampled: bool = True) -> DraftBatch:
+        """Bucket `batch_size`'s prefix of every buffer."""
         rows = batch_size * self.rows_per_seq
-        attn = AttnBatch(self.positions[:rows], self.slot_mapping[:rows],
-                         self.seq_slots[:batch_size], self.row_index[:batch_size],
-                         self.row_seq[:rows], self.row_offset[:rows], kv_len or self.max_len)
+        attn = AttnBatch(self.positions[:rows], self.slot_mapping[:rows], self.row_seq[:rows],
+                         self.block_tables[:batch_size])
         return DraftBatch(attn, self.hidden[:rows], self.tokens[: batch_size * self.tok_stride],
                           self.row_tok[:rows], self.last_row[:batch_size],
                           self.last_tok[:batch_size], self.temperature[:batch_size],
@@ -123,8 +123,8 @@ class GraphRunner:
     def capture(self) -> None:
         """Capture every bucket, largest first, in one shared memory pool (CUDA only).
 
-        Captured with padding sequences only: every row has slot -1, so capture writes
-        no KV, and the recorded kernels do not depend on the data."""
+        Captured with padding sequences only: every row has slot -1 and row_seq -1, so
+        capture writes no KV, and the recorded kernels do not depend on the data."""
         if not self.use_graphs:
             return
         pool = None
@@ -153,11 +153,7 @@ class GraphRunner:
             graph.replay()
             self.replays += 1
         else:
-            # NOTE: without a graph nothing pins the shapes, so attention reads only the
-            # keys this batch can see (on CPU that is most of a round's cost).
-            kv_len = max(w.first_pos + w.num_rows for w in windows)
-            out = self.step_fn(self.buffers.view(key.batch_size, kv_len,
-                                                 any_sampled(windows)))
+            out = self.step_fn(self.buffers.view(key.batch_size, any_sampled(windows)))
             self.eager_runs += 1
         n = len(windows)
         # NOTE: copy out before the next replay overwrites the graph's output tensors.

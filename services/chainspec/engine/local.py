@@ -15,6 +15,7 @@ import torch
 
 from chainspec.engine.draft_client import LocalDraftClient
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
+from chainspec.engine.kv_budget import DEFAULT_BLOCK_SIZE, KVBudget
 from chainspec.engine.verifier import VerifierConfig, VerifierEngine
 from chainspec.models.loader import load_draft_model, load_target
 from chainspec.models.mtp import MTPDraftModel
@@ -38,14 +39,24 @@ class LocalOptions:
     model_dir: Path = DEMO_MODEL
     num_steps: int = 3
     chain: bool = True
-    max_seqs: int = 8
-    max_len: int = 1024
+    max_seqs: int = 8  # cap on running sequences
+    max_len: int = 1024  # context limit of one sequence
     dtype: str = "float32"
     device: str = "cpu"
+    # paged KV cache: bytes, or a share of free device memory (CUDA); neither: as much as
+    # max_seqs fixed slots of max_len would take
+    kv_cache_memory: int | None = None
+    kv_cache_fraction: float | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        self.kv_budget  # noqa: B018  (validates the KV fields)
+
+    @property
+    def kv_budget(self) -> KVBudget:
+        return KVBudget(self.kv_cache_memory, self.kv_cache_fraction, self.block_size)
 
 
 @dataclass
@@ -67,6 +78,7 @@ def verifier_config(opts: LocalOptions, groups: int = 1,
     """The engine config of a verifier over `opts` (in process and as a service)."""
     return VerifierConfig(num_steps=opts.num_steps, max_seqs=opts.max_seqs,
                           max_len=opts.max_len, groups=groups, draft_ahead=draft_ahead,
+                          kv=opts.kv_budget,
                           max_batch_tokens=max(1024, opts.max_seqs * (opts.num_steps + 1)))
 
 

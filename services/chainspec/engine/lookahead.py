@@ -39,7 +39,7 @@ class AheadSource:
     seed: int
 
 
-def ahead_window(src: AheadSource, slot: int, hist_hidden: torch.Tensor | None,
+def ahead_window(src: AheadSource, blocks: tuple[int, ...], hist_hidden: torch.Tensor | None,
                  hist_tokens: torch.Tensor | None) -> Window:
     """History rows, then the m hypothetical rows N'..N'+m-1."""
     m = src.verify.shape[0]
@@ -48,7 +48,7 @@ def ahead_window(src: AheadSource, slot: int, hist_hidden: torch.Tensor | None,
         hidden = torch.cat([hist_hidden, hidden.to(hist_hidden.dtype)])
         tokens = torch.cat([hist_tokens, tokens])
     first = src.base - (0 if hist_hidden is None else hist_hidden.shape[0])
-    return Window(slot, first, hidden, tokens, src.temperature, src.seed)
+    return Window(blocks, first, hidden, tokens, src.temperature, src.seed)
 
 
 def ahead_entry(src: AheadSource, out: DraftOutput, row: int, sampled: bool) -> DraftAhead:

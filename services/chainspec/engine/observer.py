@@ -30,7 +30,7 @@ class VerifierStepRecord:
     outputs: Sequence[RequestOutput]
     running: int
     waiting: int
-    kv_usage: float  # KV rows held by running sequences / rows the cache has
+    kv_usage: float  # KV blocks in use / blocks the cache has
     speculative: bool  # a drafter is configured: a VERIFY item without drafts is a fallback
     groups: int = 1  # pipelined groups with running sequences (this step ran one of them)
     ahead_hits: int = 0  # verdicts a look-ahead guessed exactly: next drafts at once
@@ -62,5 +62,5 @@ class DrafterObserver(Protocol):
         """After every `DrafterEngine.update()`, on the engine's thread."""
 
     def occupancy(self, sequences: int, kv_usage: float) -> None:
-        """After every update and release: sequences held, and the share of the KV cache
-        their rows take."""
+        """After every update and release: sequences held, and the share of the KV cache's
+        blocks they hold."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from chainspec.engine.block_allocator import BlockTable
 from chainspec.engine.draft_types import DraftAhead, DraftResult
 
 
@@ -67,7 +68,9 @@ class Request:
         self.tokens = list(prompt)
         self.sampling = sampling
         self.stop = stop
-        self.slot = -1
+        self.blocks = BlockTable()  # KV blocks holding positions < num_computed (and more)
+        self.recompute_len = 0  # after a preemption: committed positions to prefill again
+        self.preemptions = 0
         self.group = 0  # pipelined group (VerifierConfig.groups), set at admission
         self.num_computed = 0  # positions < num_computed have target KV
         self.drafts: DraftResult | None = None  # proposals for the next verify
@@ -85,8 +88,14 @@ class Request:
         self.stats = RequestStats(num_steps)
 
     @property
+    def prefill_len(self) -> int:
+        """Positions prefilled before decoding: the prompt, or after a preemption every
+        committed position but the newest."""
+        return max(self.prompt_len, self.recompute_len)
+
+    @property
     def prefilling(self) -> bool:
-        return self.num_computed < self.prompt_len
+        return self.num_computed < self.prefill_len
 
     @property
     def num_generated(self) -> int:

@@ -30,9 +30,11 @@ class Work:
 
     @property
     def samples(self) -> bool:
-        """Whether this work ends in committed tokens (verify, or the last prompt chunk)."""
-        return self.kind is WorkKind.VERIFY or self.start + self.num_rows == \
-            self.request.prompt_len
+        """Whether this work ends in committed tokens (verify, or the last prompt chunk;
+        a recompute after preemption commits nothing: its next token is known)."""
+        return self.kind is WorkKind.VERIFY or (
+            self.start + self.num_rows == self.request.prompt_len
+            and not self.request.recompute_len)
 
 
 def schedule(running: Sequence[Request], budget: int, chunk: int) -> list[Work]:
@@ -49,7 +51,7 @@ def schedule(running: Sequence[Request], budget: int, chunk: int) -> list[Work]:
     for req in running:
         if not req.prefilling or req.finished or budget <= 0:
             continue
-        n = min(req.prompt_len - req.num_computed, chunk, budget)
+        n = min(req.prefill_len - req.num_computed, chunk, budget)
         start = req.num_computed
         work.append(Work(req, WorkKind.PREFILL, start, tuple(req.tokens[start:start + n])))
         budget -= n

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from chainspec.engine import preemption
 from chainspec.engine.draft_client import DraftClient
 from chainspec.engine.draft_types import (
     DraftResult,
@@ -27,13 +28,14 @@ from chainspec.engine.draft_types import (
     SeqFailure,
     SeqUpdate,
 )
+from chainspec.engine.kv_budget import KVBudget, paged_cache
 from chainspec.engine.observer import VerifierObserver, VerifierStepRecord
 from chainspec.engine.request import FinishReason, Request, RequestOutput, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.schedule import Work, WorkKind, schedule
 from chainspec.engine.verify_batch import StepResult, VerifyResult, run_verify
+from chainspec.engine.verify_graphs import VerifyGraphs
 from chainspec.models.attention import DenseCausal
-from chainspec.models.kv_cache import KVCache
 from chainspec.models.target import TargetModel
 
 # Steps to wait before retrying to give a sequence drafts after a drafter refused it.
@@ -43,14 +45,16 @@ RESYNC_BACKOFF, MAX_RESYNC_BACKOFF = 4, 64
 @dataclass(frozen=True)
 class VerifierConfig:
     num_steps: int = 3  # K: drafts verified per round
-    max_seqs: int = 16
-    max_len: int = 2048
+    max_seqs: int = 16  # cap on running sequences (KV memory is `kv`'s business)
+    max_len: int = 2048  # context limit of one sequence
     max_batch_tokens: int = 1024
     prefill_chunk: int = 512
     sampled_drafts: bool = True  # sampled requests get top-k sampled drafts, else greedy
     draft_top_k: int = 8  # support size asked of sampled drafts
     groups: int = 1  # pipelined groups taking turns (1: every running sequence each step)
     draft_ahead: bool = False  # ask for look-ahead drafts and use them on a hit (4.8)
+    kv: KVBudget = field(default_factory=KVBudget)  # paged KV cache size
+    use_graphs: bool = True  # CUDA graphs for decode/verify steps when on a GPU
 
     def __post_init__(self) -> None:
         if self.num_steps < 1:
@@ -77,9 +81,13 @@ class VerifierEngine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         cfg = model.config
-        self.cache = KVCache(cfg.num_layers, config.max_seqs, config.max_len, cfg.num_kv_heads,
-                             cfg.head_dim, self.dtype, self.device)
-        self.free_slots = list(range(config.max_seqs - 1, -1, -1))
+        self.cache, self.allocator = paged_cache(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv, config.max_seqs,
+            config.max_len, self.dtype, self.device)
+        self.preemptions = 0
+        self.graphs = VerifyGraphs(model, self.cache, config.max_seqs, config.num_steps,
+                                   config.max_len, config.use_graphs)
+        self.graphs.capture()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
@@ -108,6 +116,10 @@ class VerifierEngine:
             limit = self.config.max_len - 1 - self.config.num_steps
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({stop.max_tokens}) "
                              f"exceeds the context limit {limit}")
+        if self.allocator.blocks_for(need) > self.allocator.num_blocks:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({stop.max_tokens}) "
+                             f"exceeds the KV cache ({self.allocator.num_blocks} blocks of "
+                             f"{self.allocator.block_size})")
         req = Request(request_id, list(prompt), sampling.resolve_seed(), stop,
                       self.config.num_steps)
         self.by_id[request_id] = req
@@ -144,11 +156,12 @@ class VerifierEngine:
         drafts_ready = time.perf_counter()
         outputs = self._reap()
         group = [r for r in group if not r.finished]
-        work = schedule(group, self.config.max_batch_tokens, self.config.prefill_chunk)
+        work = self._reserve(schedule(group, self.config.max_batch_tokens,
+                                      self.config.prefill_chunk))
         if not work:
             self._observe(started, drafts_ready, (), (), outputs)
             return outputs
-        result = run_verify(self.model, self.cache, work, self.device)
+        result = run_verify(self.model, self.cache, work, self.device, self.graphs)
         self._take_ahead()  # NOTE: look-aheads that came in during the forward count too
         updates: list[SeqUpdate] = []
         for i, (item, verdict) in enumerate(zip(work, result.verdicts, strict=True)):
@@ -167,8 +180,7 @@ class VerifierEngine:
     def _observe(self, started: float, drafts_ready: float, work, verdicts, outputs) -> None:
         if self.observer is None:
             return
-        kv = sum(r.num_computed for r in self.running) / (self.config.max_seqs *
-                                                          self.config.max_len)
+        kv = self.allocator.usage
         groups = len({r.group for r in self.running}) if self.drafter is not None else 1
         self.observer.step_done(VerifierStepRecord(
             started, drafts_ready, time.perf_counter(), work, verdicts, outputs,
@@ -246,16 +258,31 @@ class VerifierEngine:
 
 
     def _admit(self) -> None:
-        while self.waiting and self.free_slots:
-            req = self.waiting.pop(0)
+        while self.waiting and len(self.running) < self.config.max_seqs:
+            req = self.waiting[0]
+            if not req.finished and not preemption.admit_blocks(req, self.allocator,
+                                                                self.config.num_steps):
+                break  # first come, first served: wait for blocks
+            self.waiting.pop(0)
             if req.finished:
                 continue
-            req.slot = self.free_slots.pop()
             sizes = [0] * self.config.groups
             for r in self.running:
                 sizes[r.group] += 1
             req.group = sizes.index(min(sizes))  # the smallest group
             self.running.append(req)
+
+    def _reserve(self, work: list[Work]) -> list[Work]:
+        """Blocks for the rows `work` writes; short of them, preempt (module preemption)."""
+        work, victims = preemption.reserve(work, self.running, self.allocator)
+        for req in victims:
+            self.running.remove(req)
+            preemption.requeue(req)
+            self.waiting.insert(0, req)  # NOTE: victims come newest first: admission order
+            if self.drafter is not None:
+                self.drafter.release([self.seq_ids[req.request_id]])
+        self.preemptions += len(victims)
+        return work
 
     def _reap(self) -> list[RequestOutput]:
         """Finished requests leave: free the slot, release the drafter's state."""
@@ -268,7 +295,7 @@ class VerifierEngine:
                 self.waiting.remove(req)
             else:
                 self.running.remove(req)
-                self.free_slots.append(req.slot)
+                req.blocks.release(self.allocator)
             if self.drafter is not None:
                 self.drafter.release([self.seq_ids[req.request_id]])
             del self.by_id[req.request_id], self.seq_ids[req.request_id]
@@ -368,8 +395,11 @@ class VerifierEngine:
             req.drafter_synced = True
         ahead = self.config.draft_ahead and verdict is not None
         verifying = tuple(req.drafts.tokens.tolist()) if ahead and req.drafts_ahead else ()
+        # NOTE: the chunk that ends a recompute (after preemption) commits nothing, but
+        # drafts for x[N] may follow it.
+        wants = verdict is not None or item.start + rows == req.recompute_len
         return SeqUpdate(self.seq_ids[req.request_id], item.start, tokens, hidden,
-                         want_drafts=verdict is not None, sampling=self._draft_sampling(req),
+                         want_drafts=wants, sampling=self._draft_sampling(req),
                          look_ahead=ahead, verifying=verifying)
 
     def _draft_sampling(self, req: Request) -> DraftSampling:

@@ -15,8 +15,9 @@ import torch
 from chainspec.engine.acceptance import accept_greedy, accept_sampled, round_noise
 from chainspec.engine.sampling import SamplingBatch
 from chainspec.engine.schedule import Work, WorkKind
-from chainspec.models.attention import AttnBatch, PagedAttention, SeqRows
-from chainspec.models.kv_cache import KVCache
+from chainspec.engine.verify_graphs import VerifyGraphs, verify_forward
+from chainspec.models.attention import AttnBatch, SeqRows
+from chainspec.models.kv_cache import PagedKVCache
 from chainspec.models.target import TargetModel
 
 
@@ -38,16 +39,14 @@ class StepResult:
         return self.hidden[start:start + rows].float().cpu()
 
 
-def run_verify(model: TargetModel, cache: KVCache, work: Sequence[Work],
-               device: torch.device) -> StepResult:
-    """Forward all rows of `work`, then accept/sample for the items that commit."""
-    batch = AttnBatch.build([SeqRows(w.request.slot, w.start, w.num_rows) for w in work], device)
-    ids = torch.tensor([t for w in work for t in w.tokens], device=device)
-    hidden = model(ids, batch.positions, PagedAttention(cache, batch, model.attention_scale))
-    offsets, total = [], 0
-    for w in work:
-        offsets.append(total)
-        total += w.num_rows
+def run_verify(model: TargetModel, cache: PagedKVCache, work: Sequence[Work],
+               device: torch.device, graphs: VerifyGraphs | None = None) -> StepResult:
+    """Forward all rows of `work`, then accept/sample for the items that commit. Decode and
+    verify steps go through `graphs` (static buffers, CUDA graphs) when they fit."""
+    if graphs is not None and graphs.fits(work):
+        hidden, offsets = graphs.run(work)
+    else:
+        hidden, offsets = _packed_forward(model, cache, work, device)
     deciders = [i for i, w in enumerate(work) if w.samples]
     verdicts: list[VerifyResult | None] = [None] * len(work)
     if deciders:
@@ -55,6 +54,19 @@ def run_verify(model: TargetModel, cache: KVCache, work: Sequence[Work],
                                           [offsets[i] for i in deciders]), strict=True):
             verdicts[i] = v
     return StepResult(hidden, tuple(offsets), tuple(verdicts))
+
+
+def _packed_forward(model: TargetModel, cache: PagedKVCache, work: Sequence[Work],
+                    device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Rows packed back to back (prefill chunks, and everything when not captured)."""
+    batch = AttnBatch.build([SeqRows(w.request.blocks.blocks, w.start, w.num_rows)
+                             for w in work], cache.block_size, device)
+    ids = torch.tensor([t for w in work for t in w.tokens], device=device)
+    offsets, total = [], 0
+    for w in work:
+        offsets.append(total)
+        total += w.num_rows
+    return verify_forward(model, cache, ids, batch), tuple(offsets)
 
 
 def _decide(model: TargetModel, hidden: torch.Tensor, work: Sequence[Work],

@@ -27,10 +27,11 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Torch reference (the CPU path). NOTE: boolean indexing syncs; CPU only."""
     valid = slot_mapping >= 0  # [T]
-    slots = slot_mapping[valid]  # [n]
+    every = bool(valid.all())  # no padding rows: no boolean indexing (CPU decode steps)
+    slots = slot_mapping if every else slot_mapping[valid]  # [n]
     for src, cache in ((k, k_cache), (v, v_cache)):
         flat = cache.view(-1, *cache.shape[2:])  # [blocks * block_size, Hkv, D]
-        flat[slots] = src[valid].to(cache.dtype)
+        flat.index_copy_(0, slots, (src if every else src[valid]).to(cache.dtype))
 
 
 def _check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -40,7 +40,7 @@ class DrafterMetrics(GrpcServiceMetrics):
                                        "start)").child()
         self.sequences = rec.gauge("chainspec_drafter_sequences", "Sequences held").child()
         self.kv_usage = rec.gauge("chainspec_drafter_kv_cache_usage_ratio",
-                                  "Drafter KV rows held / KV rows (0-1)").child()
+                                  "Drafter KV cache blocks in use / blocks (0-1)").child()
         self.registry.register(rec)
 
     # -- DrafterObserver (engine thread) --------------------------------------------------

@@ -80,7 +80,7 @@ class VerifierMetrics(GrpcServiceMetrics):
         self.waiting = rec.gauge("chainspec_num_requests_waiting",
                                  "Requests queued for a slot").child()
         self.kv_usage = rec.gauge("chainspec_kv_cache_usage_ratio",
-                                  "KV rows held by running requests / KV rows (0-1)").child()
+                                  "KV cache blocks in use / KV cache blocks (0-1)").child()
         self.groups = rec.gauge("chainspec_pipeline_groups", "Pipelined groups taking turns "
                                 "(with running sequences) at the last step; 1: not "
                                 "pipelined").child()
@@ -187,8 +187,8 @@ class VerifierMetrics(GrpcServiceMetrics):
 
 
 class DraftStatsCollector(Collector):
-    """Counters the draft pool (`DraftPoolStats`) and the engine (resyncs) keep as plain
-    ints, read at scrape time (zeros until `VerifierMetrics.attach`)."""
+    """Counters the draft pool (`DraftPoolStats`) and the engine (resyncs, preemptions)
+    keep as plain ints, read at scrape time (zeros until `VerifierMetrics.attach`)."""
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -210,6 +210,9 @@ class DraftStatsCollector(Collector):
         yield wire
         yield counter("chainspec_draft_resyncs", "Drafter states rebuilt from the committed "
                       "prefix", getattr(self.engine, "resyncs", 0))
+        yield counter("chainspec_num_preemptions", "Running requests that gave their KV "
+                      "blocks back to be recomputed later (the pool ran out)",
+                      getattr(self.engine, "preemptions", 0))
         yield counter("chainspec_draft_reassignments", "Sequences given to another drafter "
                       "after losing theirs", getattr(stats, "reassignments", 0))
         yield counter("chainspec_draft_late_batches", "Draft answers that came after their "

@@ -1,0 +1,136 @@
+"""Mixed lengths: one verify step (K+1 rows per sequence) for 7 short sequences plus one
+of 2,000 tokens, against the step for the 7 short ones alone, on CPU.
+
+- paged: the engine's path (`PagedAttention` over block tables; the torch reference of
+  `kernels.paged_attention`), which reads each sequence's own keys only.
+- slots (before paging, commit 65bb364): every sequence's whole slot slice up to the
+  batch's longest length is gathered into a new tensor in every layer, with a
+  materialised mask; reproduced here as `SlotAttention` to measure it.
+
+Random weights shaped like the demo target (positions up to 4096). Median of --repeats.
+Usage: python benchmarks/mixed_lengths.py [--repeats 15]
+Writes benchmarks/results/mixed_lengths.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from chainspec.engine.local import DEMO_MODEL
+from chainspec.models.attention import AttnBatch, PagedAttention, SeqRows
+from chainspec.models.config import ModelConfig
+from chainspec.models.kv_cache import PagedKVCache
+from chainspec.models.target import TargetModel
+
+K, BLOCK, LONG, MAX_LEN = 3, 16, 2000, 2048
+SHORT = (40, 57, 64, 71, 88, 96, 120)  # context lengths of the 7 short sequences
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class SlotAttention:
+    """The pre-paging backend: slots of max_len rows, whole-slice gather, dense mask."""
+
+    def __init__(self, keys, values, slots, starts, rows, scale) -> None:
+        self.keys, self.values, self.scale = keys, values, scale
+        self.slots = torch.tensor(slots)  # [S]
+        pos = [list(range(s, s + rows)) for s in starts]
+        self.slot_rows = torch.tensor([[sl] * rows for sl in slots]).view(-1)  # [T]
+        self.positions = torch.tensor(pos).view(-1)  # [T]
+        self.kv_len = max(starts) + rows
+        query_pos = torch.tensor(pos)  # [S, Q]
+        keys_pos = torch.arange(self.kv_len)
+        self.mask = (keys_pos[None, None, :] <= query_pos[:, :, None])[:, None]  # [S,1,Q,K]
+        self.shape = (len(slots), rows)
+
+    def attend(self, layer, q, k, v):
+        self.keys[layer][self.slot_rows, self.positions] = k
+        self.values[layer][self.slot_rows, self.positions] = v
+        keys = self.keys[layer][self.slots, : self.kv_len]  # [S, Kmax, Hkv, D]
+        values = self.values[layer][self.slots, : self.kv_len]
+        qs = q.view(*self.shape, *q.shape[1:])  # [S, Q, Hq, D]
+        out = F.scaled_dot_product_attention(
+            qs.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=self.mask, scale=self.scale, enable_gqa=True)  # [S, Hq, Q, D]
+        return out.transpose(1, 2).reshape(q.shape)
+
+
+def step_paged(model, cache, starts) -> float:
+    per_seq = -(-MAX_LEN // BLOCK)
+    seqs = [SeqRows(list(range(i * per_seq, (i + 1) * per_seq)), s, K + 1)
+            for i, s in enumerate(starts)]
+    t0 = time.perf_counter()
+    batch = AttnBatch.build(seqs, BLOCK)
+    ids = torch.zeros(batch.num_rows, dtype=torch.int64)
+    model.logits(model(ids, batch.positions, PagedAttention(cache, batch,
+                                                            model.attention_scale)))
+    return time.perf_counter() - t0
+
+
+def step_slots(model, keys, values, starts) -> float:
+    t0 = time.perf_counter()
+    backend = SlotAttention(keys, values, list(range(len(starts))), starts, K + 1,
+                            model.attention_scale)
+    ids = torch.zeros(len(starts) * (K + 1), dtype=torch.int64)
+    model.logits(model(ids, backend.positions, backend))
+    return time.perf_counter() - t0
+
+
+def median_s(fn, repeats: int) -> float:
+    fn()  # warm-up
+    return statistics.median(fn() for _ in range(repeats))
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=15)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(ModelConfig.from_dir(DEMO_MODEL), max_position=4096)
+    model = TargetModel(cfg).eval()
+    c = model.config
+    cache = PagedKVCache(c.num_layers, 8 * -(-MAX_LEN // BLOCK), BLOCK, c.num_kv_heads,
+                         c.head_dim)
+    shape = (8, MAX_LEN, c.num_kv_heads, c.head_dim)
+    keys = [torch.zeros(shape) for _ in range(c.num_layers)]
+    values = [torch.zeros(shape) for _ in range(c.num_layers)]
+    short, mixed = list(SHORT), [*SHORT, LONG]
+    ms = {}
+    for name, fn in (("paged", lambda s: step_paged(model, cache, s)),
+                     ("slots", lambda s: step_slots(model, keys, values, s))):
+        ms[name] = {"short_ms": 1e3 * median_s(lambda f=fn: f(short), args.repeats),
+                    "mixed_ms": 1e3 * median_s(lambda f=fn: f(mixed), args.repeats)}
+        ms[name]["ratio"] = round(ms[name]["mixed_ms"] / ms[name]["short_ms"], 3)
+    report = {"command": "python benchmarks/mixed_lengths.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]), "k": K, "short_lengths": SHORT,
+        "long_length": LONG, "layers": c.num_layers, "threads": 1, **ms}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "mixed_lengths.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / "mixed_lengths.md").write_text(markdown(report))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def markdown(r: dict) -> str:
+    rows = "".join(f"| {n} | {r[n]['short_ms']:.2f} | {r[n]['mixed_ms']:.2f} | "
+                   f"**{r[n]['ratio']}** |\n" for n in ("slots", "paged"))
+    return ("# Mixed lengths: verify step, 7 short + 1 long vs 7 short (CPU, torch)\n\n"
+            f"`{r['command'].strip()}`\n\nShort contexts {r['short_lengths']}, long "
+            f"{r['long_length']}; K={r['k']} (4 rows per sequence); demo-shaped target, "
+            f"{r['layers']} layers, 1 thread; median step time.\n\n"
+            "| attention | 7 short (ms) | 7 short + 1 long (ms) | ratio |\n|---|---|---|---|\n"
+            + rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
