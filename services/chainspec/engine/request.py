@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from chainspec.engine.block_allocator import BlockTable
 from chainspec.engine.draft_types import DraftAhead, DraftResult
+from chainspec.engine.logprobs import TokenLogprob
 
 
 class FinishReason(enum.StrEnum):
@@ -120,6 +121,8 @@ class RequestOutput:
     stop_string: str | None = None
     error: str | None = None
     stats: RequestStats | None = None  # set on the final output
+    # one per new token when the request asked (SamplingParams.num_logprobs), else None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
 import torch
 
 _U32 = 0xFFFFFFFF
 _SEED_MIN, _SEED_END = -(1 << 63), 1 << 64
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per token
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+MAX_PENALTY = 2.0  # OpenAI's range for presence/frequency penalties
 
 
 class NoiseStream(IntEnum):
@@ -35,14 +38,54 @@ class NoiseStream(IntEnum):
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. temperature 0 = greedy; top_k 0 or -1 = off; top_p in (0, 1];
-    seed None = a random seed drawn once by `resolve_seed`."""
+    seed None = a random seed drawn once by `resolve_seed`.
+
+    Logits processing (engine/logits_processors.py; 0 / 1.0 / empty = off):
+    presence/frequency_penalty in [-2, 2] over generated tokens (OpenAI); repetition_penalty
+    > 0 over prompt + generated tokens (vLLM/HF); logit_bias token id -> bias in [-100, 100]
+    (a mapping is stored as sorted pairs); min_p in [0, 1] after temperature; min_tokens:
+    EOS and stop token ids are masked until that many tokens were generated.
+    num_logprobs: None = no logprobs; n in [0, 20] = the chosen token's and n alternatives.
+    """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    min_p: float = 0.0
+    min_tokens: int = 0
+    num_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_basic()
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not _is_number(r) or not (math.isfinite(r) and r > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        n = self.num_logprobs
+        if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+            raise ValueError(f"num_logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                             f"got {n!r}")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processor (engine/logits_processors.py) is on."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
+
+    def _check_basic(self) -> None:
         t, k, p, s = self.temperature, self.top_k, self.top_p, self.seed
         if isinstance(t, bool) or not isinstance(t, int | float) or not (
                 math.isfinite(t) and t >= 0):
@@ -64,6 +107,31 @@ class SamplingParams:
         return self if self.seed is not None else replace(self, seed=secrets.randbits(63))
 
 
+def _is_number(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int | float)
+
+
+def _is_int(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int)
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias (a mapping or pairs) -> sorted (token id, bias) pairs, validated."""
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    pairs = []
+    for item in items:
+        tok, value = item
+        if not _is_int(tok) or tok < 0:
+            raise ValueError(f"logit_bias token ids must be ints >= 0, got {tok!r}")
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], "
+                             f"got {value!r} for token {tok}")
+        pairs.append((tok, float(value)))
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise ValueError("logit_bias names a token id twice")
+    return tuple(sorted(pairs))
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     """SamplingParams of B sequences as device tensors, one entry per sequence."""
@@ -72,6 +140,7 @@ class SamplingBatch:
     top_k: torch.Tensor  # [B] int64, 0 = off
     top_p: torch.Tensor  # [B] float32
     seed: torch.Tensor  # [B] int64 (two's complement of the 64-bit seed)
+    min_p: torch.Tensor | None = None  # [B] float32; None: no request uses min_p
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams],
@@ -83,28 +152,35 @@ class SamplingBatch:
             torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=device),
             torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=device),
             torch.tensor([s - _SEED_END if s >= 1 << 63 else s for s in seeds],
-                         dtype=torch.int64, device=device))
+                         dtype=torch.int64, device=device),
+            torch.tensor([float(p.min_p) for p in params], dtype=torch.float32,
+                         device=device) if any(p.min_p for p in params) else None)
 
     def target_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] or [B, T, V] (T rows per sequence) -> p, same shape, float32."""
+        per_seq = (self.temperature, self.top_k, self.top_p, self.min_p)
         if logits.dim() == 2:
-            return target_probs(logits, self.temperature, self.top_k, self.top_p)
+            return target_probs(logits, *per_seq)
         b, t, v = logits.shape
-        rows = [x.repeat_interleave(t) for x in (self.temperature, self.top_k, self.top_p)]
+        rows = [None if x is None else x.repeat_interleave(t) for x in per_seq]
         return target_probs(logits.reshape(b * t, v), *rows).reshape(b, t, v)
 
 
 def target_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                 top_p: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] -> p [R, V] float32 after temperature, then top-k, then top-p (on the
-    top-k-renormalized distribution), per row. temperature 0 -> one-hot argmax (first
-    index on ties). Top-k keeps exactly k tokens (sort order breaks ties)."""
+                 top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [R, V] -> p [R, V] float32 after temperature, then min-p (drop tokens whose
+    probability is below min_p times the top one's), then top-k, then top-p (on the
+    renormalized distribution), per row (vLLM's order). temperature 0 -> one-hot argmax
+    (first index on ties). Top-k keeps exactly k tokens (sort order breaks ties)."""
     logits = logits.float()
     greedy = temperature <= 0  # [R]
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     sorted_logits, order = (logits / temp[:, None]).sort(dim=-1, descending=True)  # [R, V]
     rank = torch.arange(logits.shape[-1], device=logits.device)  # [V]
     keep = (top_k[:, None] <= 0) | (rank[None, :] < top_k[:, None])  # [R, V]
+    if min_p is not None:  # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p)
+        floor = sorted_logits[:, :1] + torch.log(min_p[:, None])  # [R, 1]; -inf for 0
+        keep = keep & (sorted_logits >= floor)
     sorted_logits = sorted_logits.masked_fill(~keep, -math.inf)
     sorted_probs = sorted_logits.softmax(dim=-1)  # [R, V]
     before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly before each rank

@@ -111,6 +111,8 @@ class VerifierEngine:
             raise ValueError("prompt must contain at least one token")
         if any(not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in sampling.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         need = len(prompt) + stop.max_tokens + self.config.num_steps + 1
         if need > self.config.max_len:
             limit = self.config.max_len - 1 - self.config.num_steps
@@ -161,7 +163,8 @@ class VerifierEngine:
         if not work:
             self._observe(started, drafts_ready, (), (), outputs)
             return outputs
-        result = run_verify(self.model, self.cache, work, self.device, self.graphs)
+        result = run_verify(self.model, self.cache, work, self.device, self.graphs,
+                            self.eos_ids)
         self._take_ahead()  # NOTE: look-aheads that came in during the forward count too
         updates: list[SeqUpdate] = []
         for i, (item, verdict) in enumerate(zip(work, result.verdicts, strict=True)):
@@ -324,8 +327,10 @@ class VerifierEngine:
         req.drafts_ahead = req.drafts is not None
         emitted = self._append_until_stop(req, new)
         final = req.finish_reason is not None
+        logprobs = None if verdict.logprobs is None else verdict.logprobs[:len(emitted)]
         return RequestOutput(req.request_id, tuple(emitted), req.finish_reason,
-                             req.stop_string, stats=req.stats if final else None)
+                             req.stop_string, stats=req.stats if final else None,
+                             logprobs=logprobs)
 
     def _ahead_drafts(self, req: Request, start: int, new: list[int]) -> DraftResult | None:
         """The next round's drafts if the look-ahead for the round at `start` guessed
@@ -369,6 +374,8 @@ class VerifierEngine:
             return FinishReason.EOS
         if tok in stop.stop_token_ids:
             return FinishReason.STOP
+        if req.num_generated < req.sampling.min_tokens:
+            return None  # NOTE: EOS/stop ids were masked; stop strings wait too (vLLM)
         if stop.stop_strings and self.detokenize is not None:
             tail = self.detokenize(req.output_tokens[-32:])
             for s in stop.stop_strings:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from chainspec.engine.acceptance import accept_greedy, accept_sampled, round_noise
+from chainspec.engine.logits_processors import LogitsProcessing, WindowRequest
+from chainspec.engine.logprobs import TokenLogprob, host_logprobs, window_logprobs
 from chainspec.engine.sampling import SamplingBatch
 from chainspec.engine.schedule import Work, WorkKind
 from chainspec.engine.verify_graphs import VerifyGraphs, verify_forward
@@ -25,6 +27,8 @@ from chainspec.models.target import TargetModel
 class VerifyResult:
     accepted: int  # drafts accepted (0 for prefill and plain decode)
     next_token: int  # the bonus, or the residual sample after a rejection
+    # one per committed token (accepted drafts, then next_token) when the request asked
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -40,9 +44,11 @@ class StepResult:
 
 
 def run_verify(model: TargetModel, cache: PagedKVCache, work: Sequence[Work],
-               device: torch.device, graphs: VerifyGraphs | None = None) -> StepResult:
+               device: torch.device, graphs: VerifyGraphs | None = None,
+               eos_ids: frozenset[int] = frozenset()) -> StepResult:
     """Forward all rows of `work`, then accept/sample for the items that commit. Decode and
-    verify steps go through `graphs` (static buffers, CUDA graphs) when they fit."""
+    verify steps go through `graphs` (static buffers, CUDA graphs) when they fit.
+    `eos_ids`: what min_tokens holds back besides each request's stop token ids."""
     if graphs is not None and graphs.fits(work):
         hidden, offsets = graphs.run(work)
     else:
@@ -51,7 +57,8 @@ def run_verify(model: TargetModel, cache: PagedKVCache, work: Sequence[Work],
     verdicts: list[VerifyResult | None] = [None] * len(work)
     if deciders:
         for i, v in zip(deciders, _decide(model, hidden, [work[i] for i in deciders],
-                                          [offsets[i] for i in deciders]), strict=True):
+                                          [offsets[i] for i in deciders], eos_ids),
+                        strict=True):
             verdicts[i] = v
     return StepResult(hidden, tuple(offsets), tuple(verdicts))
 
@@ -70,7 +77,7 @@ def _packed_forward(model: TargetModel, cache: PagedKVCache, work: Sequence[Work
 
 
 def _decide(model: TargetModel, hidden: torch.Tensor, work: Sequence[Work],
-            offsets: Sequence[int]) -> list[VerifyResult]:
+            offsets: Sequence[int], eos_ids: frozenset[int]) -> list[VerifyResult]:
     """Batched acceptance over the deciding items, padded to K+1 rows each."""
     k = max(w.num_drafts for w in work)
     b = len(work)
@@ -89,12 +96,33 @@ def _decide(model: TargetModel, hidden: torch.Tensor, work: Sequence[Work],
     num_drafts = torch.tensor([w.num_drafts for w in work], device=device)
     logits = model.logits(hidden[row_idx]).view(b, k + 1, -1)
     params = [w.request.sampling for w in work]
+    if any(p.processes_logits for p in params):  # NOTE: outside any captured graph
+        processing = LogitsProcessing.build([_window_request(w, eos_ids) for w in work],
+                                            logits.shape[-1], device)
+        logits = processing.apply(logits, drafts, num_drafts)  # [B, K+1, V]
     if all(p.greedy for p in params):
         accepted, nxt = accept_greedy(logits, drafts, num_drafts)
     else:
         accepted, nxt = _accept_sampled(logits, drafts, num_drafts, work, params)
+    wanted = [p.num_logprobs for p in params]
+    top_n = max((n for n in wanted if n is not None), default=None)
+    window = None if top_n is None else window_logprobs(logits, drafts, accepted, nxt, top_n)
     pairs = torch.stack([accepted, nxt], dim=1).tolist()  # the step's one host sync
-    return [VerifyResult(a, t) for a, t in pairs]
+    if window is None:
+        return [VerifyResult(a, t) for a, t in pairs]
+    window = type(window)(*(x.cpu() for x in (window.chosen, window.top_ids,
+                                                window.top_values)))  # after the sync
+    return [VerifyResult(a, t, None if n is None else host_logprobs(
+        window, i, [*drafts_list[i * k:i * k + a], t], n))
+        for i, ((a, t), n) in enumerate(zip(pairs, wanted, strict=True))]
+
+
+def _window_request(w: Work, eos_ids: frozenset[int]) -> WindowRequest:
+    req = w.request
+    stop = req.stop.stop_token_ids if req.stop.ignore_eos else \
+        (*eos_ids, *req.stop.stop_token_ids)
+    return WindowRequest(req.sampling, req.tokens[:req.prompt_len],
+                         req.tokens[req.prompt_len:], frozenset(stop))
 
 
 def _accept_sampled(logits, drafts, num_drafts, work, params):
