@@ -1,4 +1,5 @@
-"""`chainspec bench`: speculative vs plain on the same prompts, in one run."""
+"""`chainspec bench`: speculative vs plain on the same prompts, in one run, in this process;
+`chainspec bench serve`: a load test of a running server (`commands/bench_serve.py`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 
 from chainspec.bench import BenchOptions, format_report, run_bench
+from chainspec.commands import bench_serve
 from chainspec.commands.model_args import add_model_args, local_options
 
 
@@ -17,10 +19,17 @@ def add_parser(sub) -> list[str]:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    # NOTE: optional, so `chainspec bench --json -k 3` parses as it always did
+    modes = p.add_subparsers(dest="bench_mode", metavar="{serve}")
+    bench_serve.add_arguments(modes.add_parser(
+        "serve", help="load-test an OpenAI-compatible server", description=bench_serve.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter))
     return ["bench"]
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_mode", None) == "serve":
+        return bench_serve.run(args)
     report = run_bench(local_options(args), BenchOptions(args.prompts, args.batch_size,
                                                          args.max_tokens, args.repeats))
     print(json.dumps(report) if args.json else format_report(report))
