@@ -35,9 +35,10 @@ class IncrementalDetokenizer:
             self.prefix, self.read = self.read, len(self.tokens)
         return self._take(self._holdback())
 
-    def finish(self, tokens: Sequence[int] = (), stop_string: str | None = None) -> str:
+    def finish(self, tokens: Sequence[int] = (), stop_string: str | None = None,
+               include_stop: bool = False) -> str:
         """The rest of the text after the last `tokens`; with `stop_string`, only the
-        text before its first match."""
+        text before its first match (`include_stop`: up to the match's end)."""
         self.tokens.extend(tokens)
         before = self.decode(self.tokens[self.prefix:self.read])
         self.text += self.decode(self.tokens[self.prefix:])[len(before):]
@@ -45,7 +46,7 @@ class IncrementalDetokenizer:
         end = len(self.text)
         if stop_string:
             at = self.text.find(stop_string, self.sent)
-            end = at if at >= 0 else end
+            end = (at + len(stop_string) * include_stop) if at >= 0 else end
         return self._take(len(self.text) - max(end, self.sent))
 
     def _holdback(self) -> int:

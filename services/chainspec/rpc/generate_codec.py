@@ -10,8 +10,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from chainspec.engine.logprobs import TokenLogprob
 from chainspec.engine.request import FinishReason, RequestOutput, RequestStats, StopConditions
-from chainspec.engine.sampling import SamplingParams
+from chainspec.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, SamplingParams
 from chainspec.rpc.codec import check_tokens, invalid
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 
@@ -38,13 +39,19 @@ class GenerateArgs:
     prompt: list[int]
     sampling: SamplingParams
     stop: StopConditions
+    include_stop_str: bool = False  # the matched stop string stays in the text
 
 
 def parse_generate(req: pb.GenerateRequest, limits: GenerateLimits,
                    encode: Callable[[str], list[int]] | None) -> GenerateArgs:
     prompt = _prompt(req, limits, encode)
-    return GenerateArgs(req.request_id, prompt, _sampling(req),
-                        _stop(req, limits, len(prompt)))
+    sampling = _sampling(req, limits.vocab_size)
+    wanted = req.stop.max_tokens or limits.default_max_tokens
+    if sampling.min_tokens > wanted:
+        raise invalid(f"sampling.min_tokens: must be <= stop.max_tokens ({wanted}), got "
+                      f"{sampling.min_tokens}")
+    return GenerateArgs(req.request_id, prompt, sampling, _stop(req, limits, len(prompt)),
+                        req.stop.include_stop_str_in_output)
 
 
 def _prompt(req: pb.GenerateRequest, limits: GenerateLimits,
@@ -72,7 +79,7 @@ def _prompt(req: pb.GenerateRequest, limits: GenerateLimits,
     return ids
 
 
-def _sampling(req: pb.GenerateRequest) -> SamplingParams:
+def _sampling(req: pb.GenerateRequest, vocab: int) -> SamplingParams:
     if not req.HasField("sampling"):
         return SamplingParams(temperature=0.0)
     s = req.sampling
@@ -80,9 +87,35 @@ def _sampling(req: pb.GenerateRequest) -> SamplingParams:
         raise invalid(f"sampling.temperature: must be a finite number >= 0, got {s.temperature}")
     if not (math.isfinite(s.top_p) and 0 <= s.top_p <= 1):
         raise invalid(f"sampling.top_p: must be in [0, 1] (0 or 1: off), got {s.top_p}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NOTE: false for NaN
+            raise invalid(f"sampling.{name}: must be in [-2, 2], got {value}")
+    repetition = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+    if not (math.isfinite(repetition) and repetition > 0):
+        raise invalid(f"sampling.repetition_penalty: must be a finite number > 0, "
+                      f"got {repetition}")
+    if not 0 <= s.min_p <= 1:
+        raise invalid(f"sampling.min_p: must be in [0, 1], got {s.min_p}")
+    if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
+        raise invalid(f"sampling.logprobs: at most {MAX_LOGPROBS}, got {s.logprobs}")
     return SamplingParams(temperature=s.temperature, top_k=s.top_k,
                           top_p=s.top_p if s.top_p > 0 else 1.0,
-                          seed=s.seed if s.HasField("seed") else None)
+                          seed=s.seed if s.HasField("seed") else None,
+                          presence_penalty=s.presence_penalty,
+                          frequency_penalty=s.frequency_penalty,
+                          repetition_penalty=repetition, logit_bias=_logit_bias(s, vocab),
+                          min_p=s.min_p, min_tokens=s.min_tokens,
+                          num_logprobs=s.logprobs if s.HasField("logprobs") else None)
+
+
+def _logit_bias(s: pb.SamplingParams, vocab: int) -> dict[int, float]:
+    for tok, bias in s.logit_bias.items():
+        if tok >= vocab:
+            raise invalid(f"sampling.logit_bias[{tok}]: token id must be < {vocab}")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise invalid(f"sampling.logit_bias[{tok}]: must be in [-100, 100], got {bias}")
+    return dict(s.logit_bias)
 
 
 def _stop(req: pb.GenerateRequest, limits: GenerateLimits, prompt_len: int) -> StopConditions:
@@ -106,9 +139,14 @@ _REASONS = {FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.STOP: pb.
             FinishReason.ERROR: pb.FINISH_REASON_ERROR}
 
 
-def chunk_message(request_id: str, tokens: tuple[int, ...], text: str) -> pb.GenerateResponse:
-    return pb.GenerateResponse(request_id=request_id,
-                               chunk=pb.TokenChunk(token_ids=tokens, text=text))
+def chunk_message(request_id: str, tokens: tuple[int, ...], text: str,
+                  logprobs: tuple[TokenLogprob, ...] | None = None) -> pb.GenerateResponse:
+    chunk = pb.TokenChunk(token_ids=tokens, text=text)
+    for lp in logprobs or ():
+        chunk.logprobs.append(pb.TokenLogprob(
+            token_id=lp.token, logprob=lp.logprob,
+            top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+    return pb.GenerateResponse(request_id=request_id, chunk=chunk)
 
 
 def finished_message(request_id: str, out: RequestOutput, prompt_tokens: int,

@@ -126,7 +126,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def _run(self, rid: str, args: GenerateArgs, context: grpc.aio.ServicerContext
                    ) -> AsyncIterator[pb.GenerateResponse]:
-        writer = _ResponseWriter(rid, len(args.prompt), self.tokenizer, args.stop.stop_strings)
+        writer = _ResponseWriter(rid, len(args.prompt), self.tokenizer, args.stop.stop_strings,
+                                 args.include_stop_str)
         try:
             async for out in self.engine.generate(rid, args.prompt, args.sampling, args.stop):
                 for message in writer.messages(out):
@@ -161,8 +162,9 @@ class _ResponseWriter:
     """Engine outputs of one request -> Generate stream messages."""
 
     def __init__(self, request_id: str, prompt_len: int, tokenizer: Tokenizer | None,
-                 stop_strings: tuple[str, ...]) -> None:
+                 stop_strings: tuple[str, ...], include_stop_str: bool = False) -> None:
         self.request_id, self.prompt_len = request_id, prompt_len
+        self.include_stop_str = include_stop_str
         self.detok = IncrementalDetokenizer(tokenizer.decode, stop_strings) \
             if tokenizer is not None else None
         self.completion_tokens = 0
@@ -172,10 +174,10 @@ class _ResponseWriter:
         if self.detok is None:
             text = ""
         elif out.finished:
-            text = self.detok.finish(out.new_tokens, out.stop_string)
+            text = self.detok.finish(out.new_tokens, out.stop_string, self.include_stop_str)
         else:
             text = self.detok.add(out.new_tokens)
-        msgs = [chunk_message(self.request_id, out.new_tokens, text)] \
+        msgs = [chunk_message(self.request_id, out.new_tokens, text, out.logprobs)] \
             if out.new_tokens or text else []
         if out.finished:
             msgs.append(finished_message(self.request_id, out, self.prompt_len,
