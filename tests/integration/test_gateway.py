@@ -256,7 +256,7 @@ BAD = [
     ("/v1/completions", {"prompt": [1] * 600}, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
-    ("/v1/completions", {"prompt": "hi", "n": 3}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 99}, "n"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 1000}]},
      "messages"),

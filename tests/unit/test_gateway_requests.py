@@ -113,10 +113,12 @@ def test_content_type(content_type, ok) -> None:
     ({"prompt": "x", "stop": ["ok", ""]}, "stop"),
     ({"prompt": "x", "stop": 3}, "stop"),
     ({"prompt": "x", "stop": ["s"] * 17}, "stop"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "unknown_field": 1}, "unknown_field"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "logprobs": 2}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": [5, 6], "echo": True}, "echo"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
     ({"prompt": "x", "logit_bias": {"1": 2.0}}, "logit_bias"),
@@ -154,7 +156,7 @@ def test_chat_errors_name_the_field(body, param) -> None:
 
 
 def test_valid_requests_and_defaults() -> None:
-    r = parse(CompletionRequest, {"prompt": ["only one"], "stop": "\n", "unknown_field": 1})
+    r = parse(CompletionRequest, {"prompt": ["only one"], "stop": "\n", "user": "u"})
     assert r.prompt_value() == "only one" and r.stop == ["\n"]
     assert (r.temperature, r.top_p, r.output_limit) == (1.0, 1.0, 16)  # OpenAI's defaults
     assert parse(CompletionRequest, {"prompt": [[5, 6]]}).prompt_value() == [5, 6]

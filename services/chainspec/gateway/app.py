@@ -15,11 +15,13 @@ from starlette.exceptions import HTTPException
 
 from chainspec.gateway.body_limit import BodyLimit
 from chainspec.gateway.chat_template import ChatTemplate
+from chainspec.gateway.choices import Shape, read_choice, whole_body
 from chainspec.gateway.client import GenerationSpec, GenerationStream, open_generation
 from chainspec.gateway.config import GatewayConfig
 from chainspec.gateway.errors import APIError, invalid, not_found, overloaded, unavailable
+from chainspec.gateway.fanout import choice_specs, open_all
 from chainspec.gateway.metrics import GatewayMetrics
-from chainspec.gateway.responses import Envelope, Format, finish_reason, full_body
+from chainspec.gateway.responses import Envelope, Format
 from chainspec.gateway.routing import VerifierPool
 from chainspec.gateway.sse import HEADERS, EventStreamResponse, stream_events
 from chainspec.metrics.discovery import http_sd_groups
@@ -61,33 +63,44 @@ class Gateway:
                                    f"{', '.join(map(repr, names))}", "model_not_found")
         return requested
 
-    def new_spec(self, body: Any, prompt: str | list[int], prefix: str) -> GenerationSpec:
-        return GenerationSpec(f"{prefix}{uuid.uuid4().hex}", prompt, body.output_limit,
+    @staticmethod
+    def new_specs(body: Any, prompt: str | list[int], prefix: str
+                  ) -> tuple[str, list[GenerationSpec]]:
+        """(response id, one verifier request per choice). `request_id` (vLLM): the
+        response id is `<prefix><request_id>`; verifier ids stay unique regardless."""
+        unique = uuid.uuid4().hex
+        spec = GenerationSpec(f"{prefix}{unique}", prompt, body.output_limit,
                               body.temperature, body.top_p, body.top_k, body.seed,
-                              tuple(body.stop), body.ignore_eos)
+                              tuple(body.stop), body.ignore_eos, tuple(body.stop_token_ids))
+        response_id = f"{prefix}{body.request_id}" if body.request_id else spec.request_id
+        return response_id, choice_specs(spec, body.n)
 
     # -- one generation -----------------------------------------------------------------
-    async def respond(self, request: Request, fmt: type[Format], spec: GenerationSpec,
-                      body: Any, model: str) -> Response:
+    async def respond(self, request: Request, fmt: type[Format], response_id: str,
+                      specs: list[GenerationSpec], body: Any, model: str,
+                      shape: Shape) -> Response:
         self._admit()
         try:
-            stream = await until_disconnected(request, self._open(spec, fmt))
+            streams = await until_disconnected(
+                request, open_all(specs, lambda spec: self._open(spec, fmt)))
         except BaseException:
             self._leave()
             raise
-        if stream is None:
+        if streams is None:
             self._leave()
             return Response(status_code=CLIENT_GONE)
-        env = Envelope(spec.request_id, int(time.time()), model)
+        env = Envelope(response_id, int(time.time()), model)
 
         def close() -> None:
-            stream.close()
+            for stream in streams:
+                stream.close()
             self._leave()
         if body.stream:
-            return EventStreamResponse(stream_events(stream, fmt, env, body.include_usage),
-                                       close, media_type="text/event-stream", headers=HEADERS)
+            return EventStreamResponse(
+                stream_events(streams, fmt, env, body.include_usage, shape), close,
+                media_type="text/event-stream", headers=HEADERS)
         try:
-            result = await until_disconnected(request, collect(stream, fmt, env))
+            result = await until_disconnected(request, collect(streams, fmt, env, shape))
         finally:
             close()
         return JSONResponse(result) if result is not None else Response(status_code=CLIENT_GONE)
@@ -108,17 +121,17 @@ class Gateway:
         self.metrics.in_flight.set(self.in_flight)
 
 
-async def collect(stream: GenerationStream, fmt: type[Format], env: Envelope) -> dict:
-    """A whole non-streamed response."""
-    parts: list[str] = []
-    async for msg in stream.messages():
-        if msg.HasField("chunk"):
-            parts.append(msg.chunk.text)
-        else:
-            return full_body(fmt, env, "".join(parts), finish_reason(msg.finished),
-                             msg.finished.stats)
-    raise APIError(502, "the verifier ended the stream without finishing the request",
-                   "server_error", None, "internal_error")
+async def collect(streams: list[GenerationStream], fmt: type[Format], env: Envelope,
+                  shape: Shape) -> dict:
+    """A whole non-streamed response of every choice."""
+    tasks = [asyncio.ensure_future(read_choice(i, s)) for i, s in enumerate(streams)]
+    try:
+        states = await asyncio.gather(*tasks)
+    finally:  # one choice failed or the client left: stop reading the others
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return whole_body(fmt, env, shape, states)
 
 
 async def until_disconnected(request: Request, coro) -> Any:

@@ -16,6 +16,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -56,16 +57,56 @@ class ChatTemplate:
     def is_default(self) -> bool:
         return self._compiled is None
 
-    def render(self, turns: Sequence[Turn]) -> str:
-        if self._compiled is None:
-            return default_render(turns)
+    def render(self, turns: Sequence[Turn], add_generation_prompt: bool = True,
+               continue_final: bool = False, variables: dict[str, Any] | None = None,
+               template: str | None = None) -> str:
+        """The prompt text. `continue_final`: the text ends with the last message's
+        content (its end-of-turn cut off) so the model continues it. `variables`
+        (chat_template_kwargs) and `template` (a request's own chat_template) need a
+        Jinja template: the default one takes neither."""
+        compiled = self._compiled if template is None else _compile_request(template)
+        if compiled is None:
+            if variables:
+                raise invalid("chat_template_kwargs", "the server's default chat template "
+                                                      "takes no variables")
+            text = default_render(turns)
+            if not add_generation_prompt or continue_final:
+                text = text.removesuffix("<|assistant|>\n")
+            return _cut_after(text, turns[-1].content) if continue_final else text
+        if continue_final:
+            add_generation_prompt = False
+        reserved = sorted(set(variables or ()) & _RESERVED)
+        if reserved:
+            raise invalid("chat_template_kwargs", f"{reserved[0]!r} is set by the server")
         try:
-            return self._compiled.render(
+            text = compiled.render(
+                **(variables or {}),
                 messages=[{"role": t.role, "content": t.content} for t in turns],
-                add_generation_prompt=True, bos_token=self.bos_token,
+                add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
                 eos_token=self.eos_token)
         except jinja2.TemplateError as e:  # incl. raise_exception from the template
             raise invalid("messages", f"the model's chat template refused them: {e}") from None
+        return _cut_after(text, turns[-1].content) if continue_final else text
+
+
+_RESERVED = frozenset({"messages", "bos_token", "eos_token", "add_generation_prompt"})
+
+
+def _cut_after(text: str, content: str) -> str:
+    """`text` up to the end of the last occurrence of `content` (Hugging Face's
+    continue_final_message)."""
+    at = text.rfind(content) if content else -1
+    if at < 0:
+        raise invalid("continue_final_message", "the chat template does not show the last "
+                                                "message's content as given")
+    return text[:at + len(content)]
+
+
+def _compile_request(template: str) -> jinja2.Template:
+    try:
+        return _compile(template)
+    except jinja2.TemplateError as e:
+        raise invalid("chat_template", f"not a valid Jinja template: {e}") from None
 
 
 def _compile(template: str) -> jinja2.Template:

@@ -36,6 +36,7 @@ class GenerationSpec:
     seed: int | None
     stop: tuple[str, ...]
     ignore_eos: bool
+    stop_token_ids: tuple[int, ...] = ()
 
     def message(self) -> pb.GenerateRequest:
         # NOTE: every value is already in its wire range (schemas: uint32 counts, uint64
@@ -52,6 +53,7 @@ class GenerationSpec:
             req.sampling.seed = self.seed
         req.stop.max_tokens = self.max_tokens or 0
         req.stop.stop.extend(self.stop)
+        req.stop.stop_token_ids.extend(self.stop_token_ids)
         req.stop.ignore_eos = self.ignore_eos
         return req
 

@@ -63,10 +63,13 @@ class CompletionFormat:
     role_chunk = False
 
     @staticmethod
-    def choice(text: str, finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(text: str, finish: str | None, index: int = 0) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
 
-    delta = choice
+    @staticmethod
+    def delta(text: str | None, finish: str | None, role: bool = False,
+              index: int = 0) -> dict[str, Any]:
+        return CompletionFormat.choice(text or "", finish, index)
 
 
 class ChatFormat:
@@ -78,25 +81,26 @@ class ChatFormat:
     role_chunk = True
 
     @staticmethod
-    def choice(text: str, finish: str | None) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text},
+    def choice(text: str, finish: str | None, index: int = 0) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text},
                 "logprobs": None, "finish_reason": finish}
 
     @staticmethod
-    def delta(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def delta(text: str | None, finish: str | None, role: bool = False,
+              index: int = 0) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
 Format = CompletionFormat | ChatFormat
 
 
-def full_body(fmt: type[Format], env: Envelope, text: str, finish: str,
+def full_body(fmt: type[Format], env: Envelope, choices: list[dict[str, Any]],
               stats: pb.RequestStats) -> dict[str, Any]:
     return {"id": env.id, "object": fmt.object, "created": env.created, "model": env.model,
-            "choices": [fmt.choice(text, finish)], "usage": usage(stats)}
+            "choices": choices, "usage": usage(stats)}
 
 
 def chunk_body(fmt: type[Format], env: Envelope, choices: list[dict[str, Any]],

@@ -11,6 +11,7 @@ from chainspec.gateway.app import Gateway
 from chainspec.gateway.auth import check_api_key
 from chainspec.gateway.body import read_json
 from chainspec.gateway.chat_template import Turn
+from chainspec.gateway.choices import Shape
 from chainspec.gateway.responses import ChatFormat, CompletionFormat
 from chainspec.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
 
@@ -29,18 +30,28 @@ async def completions(request: Request) -> Response:
     body = parse(CompletionRequest, await read_json(request))
     prompt = body.prompt_value()
     model = gateway.resolve_model(body.model)
-    spec = gateway.new_spec(body, prompt, "cmpl-")
-    return await gateway.respond(request, CompletionFormat, spec, body, model)
+    response_id, specs = gateway.new_specs(body, prompt, "cmpl-")
+    shape = shape_of(body, prompt if body.echo else "")
+    return await gateway.respond(request, CompletionFormat, response_id, specs, body, model,
+                                 shape)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     gateway = _gateway(request)
     body = parse(ChatCompletionRequest, await read_json(request))
-    prompt = gateway.chat.render([Turn(m.role, m.text()) for m in body.messages])
+    prompt = gateway.chat.render([Turn(m.role, m.text()) for m in body.messages],
+                                 body.generation_prompt, body.continue_final_message,
+                                 body.chat_template_kwargs, body.chat_template)
     model = gateway.resolve_model(body.model)
-    spec = gateway.new_spec(body, prompt, "chatcmpl-")
-    return await gateway.respond(request, ChatFormat, spec, body, model)
+    response_id, specs = gateway.new_specs(body, prompt, "chatcmpl-")
+    return await gateway.respond(request, ChatFormat, response_id, specs, body, model,
+                                 shape_of(body, body.echo_text))
+
+
+def shape_of(body, echo: str) -> Shape:
+    stop = body.stop[0] if body.include_stop_str_in_output and body.stop else None
+    return Shape(echo, stop, frozenset(body.stop_token_ids))
 
 
 @router.get("/v1/models")

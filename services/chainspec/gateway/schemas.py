@@ -1,10 +1,13 @@
 """Request bodies of `/v1/completions` and `/v1/chat/completions`, validated.
 
-Fields OpenAI defines and this server cannot honour (n > 1, logprobs, tools, penalties,
-...) are refused with 400 naming the field; fields it does not know are ignored, as
-OpenAI's own API does for forward compatibility. Extensions: `top_k` (0 or -1: off) and
-`ignore_eos`. Defaults follow OpenAI: temperature 1, top_p 1; completions default to 16
-tokens, chat to the verifier's default (both clamped to the context the prompt leaves).
+The fields declared here are honoured; every other field goes through
+`params.check_extras` (a documented no-op, refused at any "on" value, or an unknown
+parameter: 400 naming it; never ignored silently). vLLM extensions honoured: `top_k`
+(0 or -1: off), `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
+`request_id`, chat `echo`, `add_generation_prompt`, `continue_final_message`,
+`chat_template`, `chat_template_kwargs`. Defaults follow OpenAI: temperature 1, top_p 1;
+completions default to 16 tokens, chat to the verifier's default (both clamped to the
+context the prompt leaves).
 
 Types are strict: a boolean is JSON true/false, a number a JSON number (`"yes"`, `1` for a
 boolean and `"5"`, `true` for a number are 400). Every value is bounded to the range of
@@ -27,8 +30,11 @@ from pydantic import (
 )
 
 from chainspec.gateway.errors import APIError, field_name, invalid, unsupported
+from chainspec.gateway.params import NEEDS_ENGINE, REFUSED, check_extras
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16  # choices per request: n verifier requests run at once
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 UINT32 = 2 ** 32  # bounds of the wire's integer fields (exclusive)
 UINT64 = 2 ** 64
@@ -36,11 +42,13 @@ UINT64 = 2 ** 64
 Int = Annotated[int, Strict()]  # a JSON integer: not true, "5" or 5.0
 Float = Annotated[float, Strict()]  # a JSON number: not true or "0.5"
 Bool = StrictBool  # JSON true or false only
+TokenId = Annotated[int, Strict(), Field(ge=0, lt=UINT32)]
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: Bool = False
+    continuous_usage_stats: Bool = False
 
 
 class _Sampling(BaseModel):
@@ -55,14 +63,16 @@ class _Sampling(BaseModel):
     top_k: Int = Field(0, ge=-1, lt=UINT32)
     seed: Int | None = Field(None, ge=0, lt=UINT64)
     stop: list[str] = Field(default_factory=list)
-    n: Int = 1
+    stop_token_ids: list[TokenId] = Field(default_factory=list,
+                                          max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: Bool = False
+    n: Int = Field(1, ge=1, le=MAX_N)
+    best_of: Int | None = None
     stream: Bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: Bool = False
-    presence_penalty: Float = 0.0
-    frequency_penalty: Float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=128)
+    response_format: dict[str, Any] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -78,17 +88,28 @@ class _Sampling(BaseModel):
             raise ValueError("stop strings must not be empty")
         return items
 
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_token_ids(cls, value: Any) -> Any:
+        return [] if value is None else value
+
     def check_supported(self) -> None:
         """Refuse what the server cannot do (raises APIError)."""
-        if self.n != 1:
-            raise unsupported("n", f"n = {self.n} (only n = 1)")
-        if self.presence_penalty or self.frequency_penalty:
-            name = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise unsupported(name, "a non-zero penalty")
-        if self.logit_bias:
-            raise unsupported("logit_bias", "logit_bias")
+        check_extras(self.model_extra or {}, {**REFUSED, **NEEDS_ENGINE})
+        if self.best_of is not None and self.best_of != self.n:
+            raise unsupported("best_of", f"best_of = {self.best_of} other than n = {self.n} "
+                                         f"(ranking candidates needs their logprobs)")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "only allowed when stream is true")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise unsupported("stream_options.continuous_usage_stats",
+                              "usage on every chunk")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise unsupported("response_format", "a structured response format")
+        if self.include_stop_str_in_output and len(self.stop) > 1:
+            # NOTE: the wire does not say which stop string matched (GenerateFinished)
+            raise unsupported("include_stop_str_in_output",
+                              "include_stop_str_in_output with more than one stop string")
 
     @property
     def include_usage(self) -> bool:
@@ -98,17 +119,12 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: Any = None
     echo: Bool = False
-    suffix: str | None = None
-    logprobs: Int | None = None
-    best_of: Int | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name, off in (("echo", False), ("suffix", None), ("logprobs", None)):
-            if getattr(self, name) != off:
-                raise unsupported(name, name)
-        if self.best_of not in (None, 1):
-            raise unsupported("best_of", "best_of > 1")
+        if self.echo and not isinstance(self.prompt_value(), str):
+            raise unsupported("echo", "echo of a token-id prompt (the gateway has no "
+                                      "tokenizer to show it as text)")
 
     def prompt_value(self) -> str | list[int]:
         """The one prompt, as text or token ids."""
@@ -153,29 +169,37 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(None, ge=1, lt=UINT32)
-    logprobs: Bool = False
-    top_logprobs: Int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    echo: Bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    chat_template: str | None = Field(None, min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise unsupported("logprobs", "logprobs")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise unsupported(name, "tool calling")
-        if self.tool_choice not in (None, "none"):
-            raise unsupported("tool_choice", "tool calling")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise unsupported("response_format", "a structured response format")
+        if self.continue_final_message:
+            if "add_generation_prompt" in self.model_fields_set and \
+                    self.add_generation_prompt:
+                raise invalid("continue_final_message", "cannot be used with "
+                                                        "add_generation_prompt = true")
+            if self.messages[-1].role != "assistant":
+                raise invalid("continue_final_message", "the last message must be the "
+                                                        "assistant's")
 
     @property
     def output_limit(self) -> int | None:
         """None: the verifier's default."""
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def generation_prompt(self) -> bool:
+        return self.add_generation_prompt and not self.continue_final_message
+
+    @property
+    def echo_text(self) -> str:
+        """vLLM's chat echo: the last message's content when it is the assistant's."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
 
 def _is_token(value: Any) -> bool:

@@ -1,8 +1,10 @@
 """Server-sent events for streamed responses.
 
-Events: (chat only) a first chunk with the assistant role, one chunk per text delta from
-the verifier, a chunk with the finish reason, with `stream_options.include_usage` a chunk
-with no choices and the usage, then `data: [DONE]`. An error after the first event is
+Events: per choice (chat only) a first chunk with the assistant role and, with echo, a
+chunk of the echoed text; then one chunk per text delta from the verifier and a chunk
+with the finish reason, choices interleaved as their verifier requests produce them
+(each chunk carries its choice's `index`); with `stream_options.include_usage` a chunk
+with no choices and the usage of all choices, then `data: [DONE]`. An error after the first event is
 sent as one `data: {"error": ...}` event and the stream ends without `[DONE]`. However
 the stream ends -- finished, failed, or the client gone (the ASGI server cancels the
 generator) -- the gRPC call is cancelled, which aborts the request in the verifier.
@@ -11,13 +13,15 @@ generator) -- the gRPC call is cancelled, which aborts the request in the verifi
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from starlette.responses import StreamingResponse
 
+from chainspec.gateway.choices import ChoiceState, Shape
 from chainspec.gateway.client import GenerationStream
 from chainspec.gateway.errors import APIError
+from chainspec.gateway.fanout import interleave, merge_stats
 from chainspec.gateway.responses import Envelope, Format, chunk_body, finish_reason
 
 DONE = "data: [DONE]\n\n"
@@ -28,27 +32,36 @@ def event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def stream_events(stream: GenerationStream, fmt: type[Format], env: Envelope,
-                        include_usage: bool) -> AsyncIterator[str]:
+async def stream_events(streams: Sequence[GenerationStream], fmt: type[Format],
+                        env: Envelope, include_usage: bool, shape: Shape
+                        ) -> AsyncIterator[str]:
     def chunk(choice: dict[str, Any]) -> str:
         return event(chunk_body(fmt, env, [choice], include_usage))
+    states = [ChoiceState(i, []) for i in range(len(streams))]
     try:
-        if fmt.role_chunk:
-            yield chunk(fmt.delta("", None, role=True))
-        async for msg in stream.messages():
+        for i in range(len(streams)):
+            if fmt.role_chunk:
+                yield chunk(fmt.delta("", None, role=True, index=i))
+            if shape.echo:
+                yield chunk(fmt.delta(shape.echo, None, index=i))
+        async for i, msg in interleave(streams):
+            states[i].add(msg)
             if msg.HasField("chunk"):
                 if msg.chunk.text:
-                    yield chunk(fmt.delta(msg.chunk.text, None))
+                    yield chunk(fmt.delta(msg.chunk.text, None, index=i))
                 continue
             reason = finish_reason(msg.finished)
-            yield chunk(fmt.delta(None, reason) if fmt.role_chunk else fmt.delta("", reason))
-            if include_usage:
-                yield event(chunk_body(fmt, env, [], True, msg.finished.stats))
+            ending = shape.ending(msg.finished, states[i].last_token)
+            yield chunk(fmt.delta(ending or None, reason, index=i))
+        if include_usage:
+            stats = merge_stats([s.finished.stats for s in states if s.finished])
+            yield event(chunk_body(fmt, env, [], True, stats))
         yield DONE
     except APIError as e:
         yield event(e.body())
     finally:
-        stream.close()
+        for stream in streams:
+            stream.close()
 
 
 class EventStreamResponse(StreamingResponse):
