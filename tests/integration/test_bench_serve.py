@@ -172,8 +172,9 @@ def test_cli_writes_json_markdown_and_plots(fake, tmp_path, capsys) -> None:
     assert rc == 0
     report = json.loads((tmp_path / "serve.json").read_text())
     assert [p["load"]["label"] for p in report["runs"]["spec"]] == ["c=1", "c=2", "30 req/s"]
-    assert "| c=2 |" in (tmp_path / "serve.md").read_text()
+    md = (tmp_path / "serve.md").read_text()
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
     assert pngs == ["acceptance_per_position.png", "drafters_over_time.png",
                     "latency_percentiles.png", "throughput_latency.png"]
     assert all((tmp_path / p).stat().st_size < 200_000 for p in pngs)
+    assert "| c=2 |" in md and all(f"]({p})" in md for p in pngs)

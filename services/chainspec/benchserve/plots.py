@@ -41,18 +41,26 @@ def throughput_latency(plt, report: dict[str, Any], path: Path) -> Path:
                            (axes[1], "e2e_ms", "e2e latency p50 (ms)")):
         for mode, points in report["runs"].items():
             color, ls = STYLES.get(mode, STYLES["run"])
-            xs = [p["output_throughput"] for p in points]
-            ys = [p[key]["p50"] for p in points]
-            ax.plot(xs, ys, ls, marker="o", color=color, label=mode)
-            for x, y, p in zip(xs, ys, points, strict=True):
-                ax.annotate(p["load"]["label"], (x, y), fontsize=7, xytext=(3, 3),
-                            textcoords="offset points")
+            for kind, marker in (("concurrency", "o"), ("rate", "s")):  # one curve per shape
+                curve = [p for p in points if p["load"]["kind"] == kind]
+                if curve:
+                    _curve(ax, curve, key, color, ls, marker, f"{mode} ({kind})")
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("throughput vs latency", fontsize=10)
     return _save(plt, fig, path)
+
+
+def _curve(ax, points: list[dict[str, Any]], key: str, color: str, ls: str, marker: str,
+           label: str) -> None:
+    xs = [p["output_throughput"] for p in points]
+    ys = [p[key]["p50"] for p in points]
+    ax.plot(xs, ys, ls, marker=marker, color=color, label=label)
+    for x, y, p in zip(xs, ys, points, strict=True):
+        ax.annotate(p["load"]["label"], (x, y), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
 
 
 def percentiles(plt, report: dict[str, Any], path: Path) -> Path:

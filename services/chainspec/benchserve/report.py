@@ -47,6 +47,8 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{_ratio(s['tpot_ms']['p50'], p['tpot_ms']['p50'])} | "
                          f"{_ratio(s['e2e_ms']['p50'], p['e2e_ms']['p50'])} |")
         lines.append("")
+    for name in report.get("plots", ()):
+        lines += [f"![{Path(name).stem}]({name})", ""]
     return "\n".join(lines)
 
 

@@ -85,9 +85,10 @@ def run(args: argparse.Namespace) -> int:
     full = {"command": _command(), "base_url": cfg.base_url, "dataset": data.name,
             "requests_per_point": cfg.requests_per_point, "slo": cfg.slo.as_dict(),
             "seed": cfg.seed, **result}
-    paths = report.write(full, args.out)
-    if not args.no_plots:
-        paths += plots.write_all(full, args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    pngs = [] if args.no_plots else plots.write_all(full, args.out)
+    full["plots"] = [p.name for p in pngs]
+    paths = report.write(full, args.out) + pngs
     print(report.markdown(full))
     print("wrote " + ", ".join(map(str, paths)))
     return 1 if any(p["errors"] for ps in full["runs"].values() for p in ps) else 0
