@@ -68,7 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from chainspec.benchserve import plots, report, sweep
+    try:
+        from chainspec.benchserve import plots, report, sweep
+        if not args.no_plots:
+            import matplotlib  # noqa: F401 (fail before the sweep, not after it)
+    except ModuleNotFoundError as e:  # httpx: an extra, not a serving dependency
+        raise ValueError(f"bench serve needs {e.name}: pip install 'chainspec[bench]'") \
+            from None
     from chainspec.benchserve.config import SLO, LoadKind, LoadPoint, SweepConfig
 
     points = tuple([LoadPoint(LoadKind.CONCURRENCY, c) for c in args.concurrency]
