@@ -16,10 +16,14 @@ import httpx
 import openai
 import pytest
 
+from chainspec.engine.local import LocalOptions, build_verifier, load_models
+from chainspec.engine.request import StopConditions
+from chainspec.engine.sampling import SamplingParams
 from chainspec.gateway.app import Gateway
 from chainspec.gateway.chat_template import Turn, default_render
-from chainspec.gateway.params import ACCEPTED_EXTRAS, NEEDS_ENGINE, REFUSED
+from chainspec.gateway.params import ACCEPTED_EXTRAS, REFUSED
 from chainspec.gateway.schemas import CompletionRequest, parse
+from chainspec.models.tokenizer import Tokenizer
 from tests.integration.helpers import generate, verifier_stub
 from tests.integration.test_gateway import AUTH, KEY, error, stack  # noqa: F401
 
@@ -188,6 +192,29 @@ def as_completion(prompt: str | Callable[[Ctx], str]) -> Check:
     return check
 
 
+def differs(ctx, path, r, name) -> None:
+    assert r.status_code == 200 and text_of(r.json()) != ctx.greedy[path], r.text
+
+
+def min_tokens_hold_the_stop(ctx, path, r, name) -> None:
+    """The stop token id cannot end the request before min_tokens tokens."""
+    ids = ctx.greedy_tokens[path]
+    body = r.json()
+    assert body["usage"]["completion_tokens"] >= 6 > ids.index(ids[2]) + 1, body
+
+
+def with_logprobs(top: int) -> Check:
+    def check(ctx, path, r, name) -> None:
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        pairs = zip(lp.get("token_logprobs", ()), lp.get("top_logprobs", ()), strict=True)
+        entries = lp["content"] if path == CHAT else [
+            {"logprob": v, "top_logprobs": t} for v, t in pairs]
+        assert len(entries) == TOKENS and all(e["logprob"] <= 0 for e in entries)
+        assert all(len(e["top_logprobs"]) == top for e in entries), entries
+    return check
+
+
 def echoed(ctx, path, r, name) -> None:
     assert r.status_code == 200 and text_of(r.json()) == PROMPT + ctx.greedy[CMPL], r.text
 
@@ -214,8 +241,9 @@ ROWS: list[tuple[tuple[str, ...], str, Any, Any]] = [
     ((CMPL, CHAT), "include_stop_str_in_output",
      lambda c, p: {"stop": stop_string(c, p), "include_stop_str_in_output": True},
      stopped_after),
-    ((CMPL, CHAT), "include_stop_str_in_output",
-     {"stop": ["a", "b"], "include_stop_str_in_output": True}, REFUSE),
+    ((CMPL, CHAT), "include_stop_str_in_output",  # the verifier says which one matched
+     lambda c, p: {"stop": ["\u2603\u2603", stop_string(c, p)],
+                   "include_stop_str_in_output": True}, stopped_after),
     ((CMPL, CHAT), "stop_token_ids",
      lambda c, p: {"stop_token_ids": [c.greedy_tokens[p][2]]}, stop_token),
     ((CMPL, CHAT), "n", {**HOT, "n": 3}, three_choices),
@@ -244,6 +272,21 @@ ROWS: list[tuple[tuple[str, ...], str, Any, Any]] = [
      as_completion(PROMPT + "!")),
     ((CHAT,), "chat_template_kwargs", {"chat_template_kwargs": {"mark": "!"}}, REFUSE),
     ((CMPL, CHAT), "no_such_parameter", {"no_such_parameter": 1}, REFUSE),
+    ((CMPL, CHAT), "presence_penalty", {"presence_penalty": -2.0, "max_tokens": TOKENS},
+     differs),
+    ((CMPL, CHAT), "frequency_penalty", {"frequency_penalty": -2.0}, differs),
+    ((CMPL, CHAT), "repetition_penalty", {"repetition_penalty": 3.0}, differs),
+    ((CMPL, CHAT), "logit_bias", {"logit_bias": {"7": 100}}, differs),
+    ((CMPL, CHAT), "logit_bias.7", {"logit_bias": {"7": 101}}, REFUSE),
+    ((CMPL, CHAT), "min_p", {**HOT, "min_p": 1.0}, greedy),
+    ((CMPL, CHAT), "min_tokens",
+     lambda c, p: {"min_tokens": 6, "stop_token_ids": [c.greedy_tokens[p][2]]},
+     min_tokens_hold_the_stop),
+    ((CMPL,), "logprobs", {"logprobs": 2}, with_logprobs(2)),
+    ((CHAT,), "logprobs", {"logprobs": True}, with_logprobs(0)),
+    ((CHAT,), "top_logprobs", {"logprobs": True, "top_logprobs": 3}, with_logprobs(3)),
+    ((CHAT,), "top_logprobs", {"top_logprobs": 3}, REFUSE),
+    ((CMPL,), "echo", {"echo": True, "logprobs": 1}, REFUSE),
 ]
 ON_VALUES: dict[str, Any] = {  # a value that would change the output, per refused name
     "suffix": "!", "use_beam_search": True, "length_penalty": 2.0, "prompt_logprobs": 1,
@@ -260,9 +303,7 @@ ON_VALUES: dict[str, Any] = {  # a value that would change the output, per refus
     "logits_processors": ["m.f"], "vllm_xargs": {"a": 1}, "kv_transfer_params": {"a": 1},
     "prompt_embeds": "AAAA", "reasoning_effort": "high", "audio": {"voice": "x"},
     "modalities": ["text", "audio"], "web_search_options": {}, "store": True,
-    "service_tier": "flex",
-    "min_p": 0.5, "min_tokens": 4, "presence_penalty": 1.0, "frequency_penalty": 1.0,
-    "repetition_penalty": 1.3, "logit_bias": {"5": 50}, "logprobs": 2, "top_logprobs": 3}
+    "service_tier": "flex"}
 EXTRA_VALUES: dict[str, Any] = {
     "user": "u-1", "metadata": {"k": "v"}, "prediction": {"type": "content", "content": "x"},
     "parallel_tool_calls": False, "cache_salt": "salt", "include_reasoning": False}
@@ -270,11 +311,10 @@ EXTRA_VALUES: dict[str, Any] = {
 
 def all_rows() -> list[tuple[str, str, Any, Any]]:
     rows = [(p, name, fields, check) for paths, name, fields, check in ROWS for p in paths]
-    for name in sorted({**REFUSED, **NEEDS_ENGINE}):
+    for name in sorted(REFUSED):
         for path in (CMPL, CHAT):
             if name in FIELDS[path]:
-                value = True if (path, name) == (CHAT, "logprobs") else ON_VALUES[name]
-                rows.append((path, name, {name: value}, REFUSE))
+                rows.append((path, name, {name: ON_VALUES[name]}, REFUSE))
     rows += [(p, name, {name: v}, accepted_extra) for name, v in EXTRA_VALUES.items()
              for p in (CMPL, CHAT) if name in FIELDS[p]]
     return rows
@@ -342,3 +382,37 @@ def test_n_streamed_interleaves_choices_by_index(stack) -> None:  # noqa: F811
     assert usage.completion_tokens == whole.usage.completion_tokens == 3 * 24
     first_end = max(order.index(i) for i in range(3))
     assert first_end < len(order) - 3, order  # chunks of the three choices interleave
+
+
+def plain_logprobs(model_dir, prompt: list[int], top: int) -> list:
+    """Greedy TokenLogprobs of an in-process verifier engine without a drafter."""
+    opts = LocalOptions(model_dir=model_dir, num_steps=3, max_seqs=2, max_len=256)
+    engine = build_verifier(load_models(opts, speculative=False), opts, speculative=False)
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, num_logprobs=top),
+                       StopConditions(max_tokens=TOKENS, ignore_eos=True))
+    out = []
+    while len(out) < TOKENS:
+        for o in engine.step():
+            out.extend(o.logprobs or ())
+    return out
+
+
+def test_logprobs_through_the_openai_client_equal_plain(stack, model_dir) -> None:  # noqa: F811
+    prompt = Tokenizer.from_dir(model_dir).encode(PROMPT)
+    plain = plain_logprobs(model_dir, prompt, 5)
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=KEY, max_retries=0)
+    out = client.completions.create(model=stack.model, prompt=prompt, max_tokens=TOKENS,
+                                    temperature=0, logprobs=5,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{p.token}" for p in plain]
+    assert max(abs(a - p.logprob) for a, p in zip(lp.token_logprobs, plain, strict=True)) < 1e-4
+    for got, p in zip(lp.top_logprobs, plain, strict=True):
+        assert list(got) == [f"token_id:{t}" for t, _ in p.top]
+        assert max(abs(got[f"token_id:{t}"] - v) for t, v in p.top) < 1e-4
+    chat = client.chat.completions.create(
+        model=stack.model, messages=[{"role": "user", "content": PROMPT}], logprobs=True,
+        top_logprobs=5, max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == TOKENS and all(len(c.top_logprobs) == 5 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)

@@ -71,7 +71,8 @@ class Gateway:
         unique = uuid.uuid4().hex
         spec = GenerationSpec(f"{prefix}{unique}", prompt, body.output_limit,
                               body.temperature, body.top_p, body.top_k, body.seed,
-                              tuple(body.stop), body.ignore_eos, tuple(body.stop_token_ids))
+                              tuple(body.stop), body.ignore_eos, tuple(body.stop_token_ids),
+                              body.include_stop_str_in_output, body.processing())
         response_id = f"{prefix}{body.request_id}" if body.request_id else spec.request_id
         return response_id, choice_specs(spec, body.n)
 

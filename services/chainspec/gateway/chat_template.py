@@ -22,6 +22,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from chainspec.gateway.errors import invalid
+from chainspec.gateway.logprobs import token_id_text
 from chainspec.models.tokenizer import Tokenizer
 
 
@@ -39,7 +40,8 @@ class ChatTemplate:
     """Renders a conversation for generation (the assistant's turn comes next)."""
 
     def __init__(self, template: str | None = None, bos_token: str = "",
-                 eos_token: str = "") -> None:
+                 eos_token: str = "", tokenizer: Tokenizer | None = None) -> None:
+        self.tokenizer = tokenizer  # for logprobs' token strings; None: `token_id:<id>`
         self.source = template
         self.bos_token, self.eos_token = bos_token, eos_token
         self._compiled = _compile(template) if template else None
@@ -49,9 +51,14 @@ class ChatTemplate:
         """The model's template; the default when there is none (or no directory)."""
         if model_dir is None or not (Path(model_dir) / "tokenizer.json").is_file():
             return cls()
-        template = Tokenizer.from_dir(model_dir).chat_template
+        tokenizer = Tokenizer.from_dir(model_dir)
         bos, eos = _special_tokens(Path(model_dir))
-        return cls(template, bos, eos)
+        return cls(tokenizer.chat_template, bos, eos, tokenizer)
+
+    def token_text(self, token: int) -> str:
+        if self.tokenizer is None:
+            return token_id_text(token)
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     @property
     def is_default(self) -> bool:

@@ -1,21 +1,17 @@
-"""Each choice's text as the client asked for it: the verifier's output, with the echoed
-prompt before it and, with `include_stop_str_in_output`, the matched stop string after.
-
-The verifier returns the text before a stop string's match and, for a stop token id,
-the token itself (its text too, unless it is a special token). It does not say which
-stop string matched, so `include_stop_str_in_output` is refused with more than one
-stop string (schemas.py); with one, a STOP finish whose last token is not one of the
-stop token ids was that string's match.
+"""Each choice as the client asked for it: the verifier's output text (the verifier
+itself keeps a matched stop string with include_stop_str_in_output), the echoed prompt
+before it, and the logprobs of its tokens when asked for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from chainspec.gateway.client import GenerationStream
 from chainspec.gateway.errors import APIError
 from chainspec.gateway.fanout import merge_stats
+from chainspec.gateway.logprobs import TokenText, token_id_text
 from chainspec.gateway.responses import Envelope, Format, finish_reason, full_body
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 
@@ -25,16 +21,12 @@ class Shape:
     """What the gateway adds around every choice's output text."""
 
     echo: str = ""  # before the output: the prompt (completions) or the last message (chat)
-    stop: str | None = None  # include_stop_str_in_output: the one stop string
-    stop_token_ids: frozenset[int] = frozenset()
+    logprobs: bool = False  # show the tokens' logprobs
+    token_text: TokenText = token_id_text
 
-    def ending(self, finished: pb.GenerateFinished, last_token: int | None) -> str:
-        """Text after the verifier's: the matched stop string when it is to be shown."""
-        if self.stop is None or finished.reason != pb.FINISH_REASON_STOP:
-            return ""
-        if last_token is not None and last_token in self.stop_token_ids:
-            return ""  # a stop token id matched (it is checked before stop strings)
-        return self.stop
+    def logprobs_of(self, fmt: type[Format], lps: Sequence[pb.TokenLogprob],
+                    offset: int) -> dict | None:
+        return fmt.logprobs(lps, self.token_text, offset) if self.logprobs else None
 
 
 @dataclass
@@ -43,14 +35,13 @@ class ChoiceState:
 
     index: int
     parts: list[str]
-    last_token: int | None = None
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     finished: pb.GenerateFinished | None = None
 
     def add(self, msg: pb.GenerateResponse) -> None:
         if msg.HasField("chunk"):
             self.parts.append(msg.chunk.text)
-            if msg.chunk.token_ids:
-                self.last_token = msg.chunk.token_ids[-1]
+            self.logprobs.extend(msg.chunk.logprobs)
         else:
             self.finished = msg.finished
 
@@ -71,6 +62,7 @@ def whole_body(fmt: type[Format], env: Envelope, shape: Shape,
     choices = []
     for s in states:
         assert s.finished is not None
-        text = shape.echo + "".join(s.parts) + shape.ending(s.finished, s.last_token)
-        choices.append(fmt.choice(text, finish_reason(s.finished), s.index))
+        text = shape.echo + "".join(s.parts)
+        choices.append(fmt.choice(text, finish_reason(s.finished), s.index,
+                                  shape.logprobs_of(fmt, s.logprobs, len(shape.echo))))
     return full_body(fmt, env, choices, merge_stats([s.finished.stats for s in states]))

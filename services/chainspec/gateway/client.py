@@ -12,7 +12,7 @@ gRPC call, which aborts the request in the verifier and releases it in the draft
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -21,6 +21,29 @@ from chainspec.gateway.routing import VerifierHandle, VerifierPool
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 
 RETRY_STATUSES = (429, 503)  # a full or draining verifier: the next one may take it
+
+
+@dataclass(frozen=True)
+class Processing:
+    """Logits processing and logprobs (verifier.proto SamplingParams 5..11); defaults: off."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
+
+    def fill(self, s: pb.SamplingParams) -> None:
+        s.presence_penalty, s.frequency_penalty = self.presence_penalty, self.frequency_penalty
+        if self.repetition_penalty != 1.0:
+            s.repetition_penalty = self.repetition_penalty
+        for tok, bias in self.logit_bias:
+            s.logit_bias[tok] = bias
+        s.min_p, s.min_tokens = self.min_p, self.min_tokens
+        if self.logprobs is not None:
+            s.logprobs = self.logprobs
 
 
 @dataclass(frozen=True)
@@ -37,6 +60,9 @@ class GenerationSpec:
     stop: tuple[str, ...]
     ignore_eos: bool
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str: bool = False
+    processing: Processing = field(default_factory=lambda: Processing())
+
 
     def message(self) -> pb.GenerateRequest:
         # NOTE: every value is already in its wire range (schemas: uint32 counts, uint64
@@ -54,6 +80,8 @@ class GenerationSpec:
         req.stop.max_tokens = self.max_tokens or 0
         req.stop.stop.extend(self.stop)
         req.stop.stop_token_ids.extend(self.stop_token_ids)
+        req.stop.include_stop_str_in_output = self.include_stop_str
+        self.processing.fill(req.sampling)
         req.stop.ignore_eos = self.ignore_eos
         return req
 

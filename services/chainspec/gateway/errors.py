@@ -84,7 +84,12 @@ def not_found(path: str) -> APIError:
 # HTTP name. `prompt.*` becomes the endpoint's prompt field ("prompt" or "messages").
 _WIRE_FIELDS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p",
                 "sampling.top_k": "top_k", "sampling.seed": "seed", "stop.stop": "stop",
-                "stop.max_tokens": "max_tokens", "stop.stop_token_ids": "stop_token_ids"}
+                "stop.max_tokens": "max_tokens", "stop.stop_token_ids": "stop_token_ids",
+                "sampling.presence_penalty": "presence_penalty",
+                "sampling.frequency_penalty": "frequency_penalty",
+                "sampling.repetition_penalty": "repetition_penalty",
+                "sampling.logit_bias": "logit_bias", "sampling.min_p": "min_p",
+                "sampling.min_tokens": "min_tokens", "sampling.logprobs": "logprobs"}
 _WIRE_PATH = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*)(\[\d+\])?(: | )")
 
 

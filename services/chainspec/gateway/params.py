@@ -76,20 +76,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "service_tier": ((None, "auto", "default"), "service tiers other than auto/default"),
 }
 
-# Refused until the verifier carries them (the engine side is being built; see the
-# design note). Each is honoured at its "off" value only.
-NEEDS_ENGINE: dict[str, tuple[tuple[Any, ...], str]] = {
-    "min_p": ((None, 0, 0.0), "min_p"),
-    "min_tokens": ((None, 0), "min_tokens"),
-    "presence_penalty": ((None, 0, 0.0), "a non-zero presence_penalty"),
-    "frequency_penalty": ((None, 0, 0.0), "a non-zero frequency_penalty"),
-    "repetition_penalty": ((None, 1, 1.0), "repetition_penalty other than 1"),
-    "logit_bias": (_OFF_EMPTY, "logit_bias"),
-    "logprobs": ((None, False), "logprobs"),
-    "top_logprobs": ((None, 0), "top_logprobs"),
-}
-
-
 def check_extras(fields: dict[str, Any], refused: dict[str, tuple[tuple[Any, ...], str]]
                  ) -> None:
     """Every field the schema did not declare: accepted extra, refused at an "on" value

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chainspec.gateway.errors import APIError
+from chainspec.gateway.logprobs import TokenText, chat_logprobs, completion_logprobs
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 
 FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
@@ -63,13 +64,18 @@ class CompletionFormat:
     role_chunk = False
 
     @staticmethod
-    def choice(text: str, finish: str | None, index: int = 0) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(text: str, finish: str | None, index: int = 0,
+               logprobs: dict | None = None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
     def delta(text: str | None, finish: str | None, role: bool = False,
-              index: int = 0) -> dict[str, Any]:
-        return CompletionFormat.choice(text or "", finish, index)
+              index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
+        return CompletionFormat.choice(text or "", finish, index, logprobs)
+
+    @staticmethod
+    def logprobs(lps, text: TokenText, offset: int) -> dict[str, Any]:
+        return completion_logprobs(lps, text, offset)
 
 
 class ChatFormat:
@@ -81,17 +87,22 @@ class ChatFormat:
     role_chunk = True
 
     @staticmethod
-    def choice(text: str, finish: str | None, index: int = 0) -> dict[str, Any]:
+    def choice(text: str, finish: str | None, index: int = 0,
+               logprobs: dict | None = None) -> dict[str, Any]:
         return {"index": index, "message": {"role": "assistant", "content": text},
-                "logprobs": None, "finish_reason": finish}
+                "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
     def delta(text: str | None, finish: str | None, role: bool = False,
-              index: int = 0) -> dict[str, Any]:
+              index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    @staticmethod
+    def logprobs(lps, text: TokenText, offset: int) -> dict[str, Any]:
+        return chat_logprobs(lps, text)
 
 
 Format = CompletionFormat | ChatFormat

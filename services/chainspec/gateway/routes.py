@@ -31,7 +31,7 @@ async def completions(request: Request) -> Response:
     prompt = body.prompt_value()
     model = gateway.resolve_model(body.model)
     response_id, specs = gateway.new_specs(body, prompt, "cmpl-")
-    shape = shape_of(body, prompt if body.echo else "")
+    shape = shape_of(gateway, body, prompt if body.echo else "")
     return await gateway.respond(request, CompletionFormat, response_id, specs, body, model,
                                  shape)
 
@@ -46,12 +46,11 @@ async def chat_completions(request: Request) -> Response:
     model = gateway.resolve_model(body.model)
     response_id, specs = gateway.new_specs(body, prompt, "chatcmpl-")
     return await gateway.respond(request, ChatFormat, response_id, specs, body, model,
-                                 shape_of(body, body.echo_text))
+                                 shape_of(gateway, body, body.echo_text))
 
 
-def shape_of(body, echo: str) -> Shape:
-    stop = body.stop[0] if body.include_stop_str_in_output and body.stop else None
-    return Shape(echo, stop, frozenset(body.stop_token_ids))
+def shape_of(gateway: Gateway, body, echo: str) -> Shape:
+    return Shape(echo, body.num_logprobs is not None, gateway.chat.token_text)
 
 
 @router.get("/v1/models")

@@ -29,11 +29,13 @@ from pydantic import (
     field_validator,
 )
 
+from chainspec.gateway.client import Processing
 from chainspec.gateway.errors import APIError, field_name, invalid, unsupported
-from chainspec.gateway.params import NEEDS_ENGINE, REFUSED, check_extras
+from chainspec.gateway.params import REFUSED, check_extras
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20  # alternatives per token (the wire's bound)
 MAX_N = 16  # choices per request: n verifier requests run at once
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 UINT32 = 2 ** 32  # bounds of the wire's integer fields (exclusive)
@@ -73,6 +75,12 @@ class _Sampling(BaseModel):
     ignore_eos: Bool = False
     request_id: str | None = Field(None, min_length=1, max_length=128)
     response_format: dict[str, Any] | None = None
+    presence_penalty: Float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: Float = Field(1.0, gt=0, le=1e6)
+    logit_bias: dict[str, Float] | None = None
+    min_p: Float = Field(0.0, ge=0, le=1)
+    min_tokens: Int = Field(0, ge=0, lt=UINT32)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -95,7 +103,8 @@ class _Sampling(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse what the server cannot do (raises APIError)."""
-        check_extras(self.model_extra or {}, {**REFUSED, **NEEDS_ENGINE})
+        check_extras(self.model_extra or {}, REFUSED)
+        self.processing()  # logit_bias keys
         if self.best_of is not None and self.best_of != self.n:
             raise unsupported("best_of", f"best_of = {self.best_of} other than n = {self.n} "
                                          f"(ranking candidates needs their logprobs)")
@@ -106,10 +115,29 @@ class _Sampling(BaseModel):
                               "usage on every chunk")
         if self.response_format and self.response_format.get("type") != "text":
             raise unsupported("response_format", "a structured response format")
-        if self.include_stop_str_in_output and len(self.stop) > 1:
-            # NOTE: the wire does not say which stop string matched (GenerateFinished)
-            raise unsupported("include_stop_str_in_output",
-                              "include_stop_str_in_output with more than one stop string")
+        limit = self.output_limit
+        if limit is not None and self.min_tokens > limit:
+            raise invalid("min_tokens", f"must be <= max_tokens ({limit})")
+
+    def processing(self) -> Processing:
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit() and int(key) < UINT32):
+                raise invalid(f"logit_bias.{key}", "keys must be token ids")
+            if not -100 <= value <= 100:
+                raise invalid(f"logit_bias.{key}", "must be in [-100, 100]")
+            bias.append((int(key), value))
+        return Processing(self.presence_penalty, self.frequency_penalty,
+                          self.repetition_penalty, tuple(sorted(bias)), self.min_p,
+                          self.min_tokens, self.num_logprobs)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return None
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
 
     @property
     def include_usage(self) -> bool:
@@ -119,12 +147,19 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: Any = None
     echo: Bool = False
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo and not isinstance(self.prompt_value(), str):
             raise unsupported("echo", "echo of a token-id prompt (the gateway has no "
                                       "tokenizer to show it as text)")
+        if self.echo and self.logprobs is not None:
+            raise unsupported("echo", "echo with logprobs (prompt logprobs)")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompt_value(self) -> str | list[int]:
         """The one prompt, as text or token ids."""
@@ -174,9 +209,13 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: Bool = False
     chat_template: str | None = Field(None, min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs", "needs logprobs = true")
         if self.continue_final_message:
             if "add_generation_prompt" in self.model_fields_set and \
                     self.add_generation_prompt:
@@ -190,6 +229,10 @@ class ChatCompletionRequest(_Sampling):
     def output_limit(self) -> int | None:
         """None: the verifier's default."""
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def generation_prompt(self) -> bool:

@@ -38,6 +38,7 @@ async def stream_events(streams: Sequence[GenerationStream], fmt: type[Format],
     def chunk(choice: dict[str, Any]) -> str:
         return event(chunk_body(fmt, env, [choice], include_usage))
     states = [ChoiceState(i, []) for i in range(len(streams))]
+    offsets = [len(shape.echo)] * len(streams)  # text_offset of each choice's next token
     try:
         for i in range(len(streams)):
             if fmt.role_chunk:
@@ -47,12 +48,12 @@ async def stream_events(streams: Sequence[GenerationStream], fmt: type[Format],
         async for i, msg in interleave(streams):
             states[i].add(msg)
             if msg.HasField("chunk"):
-                if msg.chunk.text:
-                    yield chunk(fmt.delta(msg.chunk.text, None, index=i))
+                lps = shape.logprobs_of(fmt, msg.chunk.logprobs, offsets[i])
+                offsets[i] += len(msg.chunk.text)
+                if msg.chunk.text or lps:
+                    yield chunk(fmt.delta(msg.chunk.text, None, index=i, logprobs=lps))
                 continue
-            reason = finish_reason(msg.finished)
-            ending = shape.ending(msg.finished, states[i].last_token)
-            yield chunk(fmt.delta(ending or None, reason, index=i))
+            yield chunk(fmt.delta(None, finish_reason(msg.finished), index=i))
         if include_usage:
             stats = merge_stats([s.finished.stats for s in states if s.finished])
             yield event(chunk_body(fmt, env, [], True, stats))
