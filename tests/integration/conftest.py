@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from chainspec.models.loader import load_draft_model, load_target
 from tests.integration.helpers import LoopThread
 from tests.integration.tiny_checkpoint import write_tiny_model
 
@@ -16,6 +17,20 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def models(model_dir):
+    """The tiny target and its MTP draft model, loaded afresh for each test module."""
+    return load_target(model_dir, cache_len=256), load_draft_model(model_dir, cache_len=256)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """An event loop on a thread for one module's in-process servers."""
+    lt = LoopThread()
+    yield lt
+    lt.close()
 
 
 @pytest.fixture(scope="session")

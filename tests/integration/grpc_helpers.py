@@ -1,12 +1,10 @@
-"""Real gRPC on 127.0.0.1 for tests: an event loop on a thread for the servers, a blocking
-handle on one Draft stream, tiny drafter engines."""
+"""Real gRPC on 127.0.0.1 for tests: a blocking handle on one Draft stream, tiny drafter
+engines (servers run on `tests.integration.helpers.LoopThread`)."""
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import socket
-import threading
 import time
 from collections.abc import Callable
 
@@ -19,25 +17,7 @@ from chainspec.rpc.drafter_service import serve_drafter
 from chainspec.rpc.generated.v1 import drafter_pb2 as pb
 from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
 from chainspec.rpc.server import RunningServer, ServerOptions
-
-
-class LoopThread:
-    """An asyncio loop on a daemon thread: servers live there, tests call in."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 30.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def submit(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+from tests.integration.helpers import LoopThread
 
 
 def drafter_engine(draft, k: int = 3, max_seqs: int = 8, max_len: int = 256,

@@ -32,6 +32,10 @@ class LoopThread:
     def run(self, coro, timeout: float = 120.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def submit(self, coro):
+        """Start `coro` on the loop; returns its concurrent future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)

@@ -18,25 +18,13 @@ from chainspec.engine.draft_client import LocalDraftClient
 from chainspec.engine.draft_types import ErrorCode, SeqUpdate
 from chainspec.engine.request import FinishReason, StopConditions
 from chainspec.engine.sampling import SamplingParams
-from chainspec.models.loader import load_draft_model, load_target
 from chainspec.rpc.draft_pool import DrafterMatch, GrpcDraftClient, LinkState
-from tests.integration.grpc_helpers import LoopThread, drafter_engine, start_drafter, wait_until
-from tests.integration.tiny_checkpoint import write_tiny_model
+from tests.integration.grpc_helpers import drafter_engine, start_drafter, wait_until
 from tests.unit.engine_fixtures import engine, outputs, prompts
 
 pytestmark = pytest.mark.timeout(120)
 K, MAX_TOKENS = 3, 24
 PATIENT = 10.0  # a round deadline no healthy loopback round misses: drafts equal local
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def models(model_dir):
-    return load_target(model_dir, cache_len=256), load_draft_model(model_dir, cache_len=256)
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +35,6 @@ def batch(models):
 @pytest.fixture(scope="module")
 def plain(models, batch):
     return outputs(engine(models[0]), batch, MAX_TOKENS)[0]
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture

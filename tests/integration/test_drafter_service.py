@@ -26,7 +26,6 @@ from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
 from chainspec.rpc.server import ServerOptions
 from tests.integration.grpc_helpers import (
     DraftStream,
-    LoopThread,
     drafter_engine,
     free_port,
     start_drafter,
@@ -38,13 +37,6 @@ pytestmark = pytest.mark.timeout(60)
 H, V, K, MAX_LEN, MAX_BYTES = 32, 61, 3, 256, 64 * 1024
 GOOD = 1000  # the good sequence's id in every stream
 ERR = pb.ErrorCode
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,15 @@ import time
 
 import pytest
 
-from chainspec.models.loader import load_draft_model, load_target
 from chainspec.rpc.channel import ClientOptions
 from chainspec.rpc.draft_pool import DrafterMatch, GrpcDraftClient, LinkState
 from tests.integration.grpc_helpers import (
-    LoopThread,
     drafter_engine,
     free_port,
     start_drafter,
     wait_until,
 )
 from tests.integration.test_draft_pool import MAX_TOKENS, Driver, K
-from tests.integration.tiny_checkpoint import write_tiny_model
 from tests.unit.engine_fixtures import engine, outputs, prompts
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,19 +25,6 @@ pytestmark = pytest.mark.timeout(120)
 # second, and a server that permits them only every 5 min (its default) answers the 3rd
 # early one with GOAWAY too_many_pings (3 s here, ~2.5 min in production)
 KEEPALIVE_S = 1.0
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-    return load_target(model_dir, cache_len=256), load_draft_model(model_dir, cache_len=256)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 def _drafter(loop, models, **opts):

@@ -8,27 +8,12 @@ import copy
 
 import pytest
 
-from chainspec.models.loader import load_draft_model, load_target
 from chainspec.rpc.draft_pool import GrpcDraftClient
-from tests.integration.grpc_helpers import LoopThread, drafter_engine, start_drafter
-from tests.integration.tiny_checkpoint import write_tiny_model
+from tests.integration.grpc_helpers import drafter_engine, start_drafter
 from tests.unit.engine_fixtures import engine, outputs, prompts
 
 pytestmark = pytest.mark.timeout(120)
 K, MAX_TOKENS = 3, 24
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-    return load_target(model_dir, cache_len=256), load_draft_model(model_dir, cache_len=256)
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.mark.parametrize("wire", ["int8", "fp8_e4m3"])

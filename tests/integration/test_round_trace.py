@@ -15,7 +15,8 @@ from chainspec.rpc.draft_pool import GrpcDraftClient
 from chainspec.rpc.drafter_service import DRAFTER_SERVICE, DrafterServicer
 from chainspec.rpc.round_trace import RoundTrace
 from chainspec.rpc.server import ServerOptions, start_server
-from tests.integration.grpc_helpers import DraftStream, LoopThread, drafter_engine
+from tests.integration.grpc_helpers import DraftStream, drafter_engine
+from tests.integration.helpers import LoopThread
 from tests.unit.engine_fixtures import tied_pair
 
 pytestmark = pytest.mark.timeout(60)

@@ -20,7 +20,7 @@ from chainspec.rpc.generated.v1 import drafter_pb2 as pb
 from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
 from chainspec.rpc.server import ServerOptions
 from tests.integration.certs import make_ca, make_leaf
-from tests.integration.grpc_helpers import DraftStream, LoopThread, drafter_engine, start_drafter
+from tests.integration.grpc_helpers import DraftStream, drafter_engine, start_drafter
 from tests.unit.engine_fixtures import tied_pair
 
 pytestmark = [pytest.mark.timeout(60),
@@ -38,13 +38,6 @@ def certs(tmp_path_factory) -> Path:
     make_leaf(d, "client", "ca", "extendedKeyUsage=clientAuth\n")
     make_leaf(d, "rogue", "rogue-ca", "extendedKeyUsage=clientAuth\n")
     return d
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture(scope="module")
