@@ -152,6 +152,14 @@ def test_completion_errors_name_the_field(body, param) -> None:
     ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
     ({**CHAT, "tool_choice": "auto"}, "tool_choice"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    # fields inside a message are checked too: none is dropped silently
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "a"}]}]},
+     "messages[0].tool_calls"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "a"}]},
+     "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]},
+     "messages[0].content[0].cache_control"),
 ])
 def test_chat_errors_name_the_field(body, param) -> None:
     assert error_of(ChatCompletionRequest, body).param == param

@@ -182,13 +182,15 @@ class CompletionRequest(_Sampling):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")  # e.g. cache_control: 400 naming it
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # NOTE: forbid, not ignore: tool_calls, tool_call_id, audio... would otherwise be
+    # dropped silently; the 400 names the field (messages[i].tool_calls)
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -262,7 +264,12 @@ def parse(model: type[_Sampling], body: Any) -> Any:
 
 
 def _first_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
+    errors = e.errors()
+    err = errors[0]
+    # NOTE: a union (content: str | parts) reports one error per branch; the deepest
+    # names the actual culprit (messages[0].content[0].cache_control, not "a string")
+    if len({tuple(x["loc"][:2]) for x in errors}) == 1:
+        err = max(errors, key=lambda x: len(x["loc"]))
     loc = [part for part in err["loc"] if part not in ("str", "list[ContentPart]")]
     param = field_name(loc)
     message = err["msg"].removeprefix("Value error, ")
