@@ -42,7 +42,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from chainspec.engine.draft_types import DraftBatch, DraftReply, DraftResult
+from chainspec.engine.draft_types import DraftReply, DraftResult, UpdateBatch
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from chainspec.engine.local import DEMO_MODEL, LocalOptions, build_verifier, load_models
 from chainspec.engine.request import StopConditions
@@ -206,7 +206,7 @@ def echo_floor(port: int, rounds, gap_s: float, idle: bool) -> float:
     sizes = []
     for updates, outcomes in rounds:
         if any(u.want_drafts for u in updates):
-            req = encode_draft_request(DraftBatch(1, tuple(updates))).ByteSize()
+            req = encode_draft_request(UpdateBatch(1, tuple(updates))).ByteSize()
             resp = encode_draft_response(DraftReply(1, tuple(outcomes))).ByteSize()
             sizes.append((req, resp))
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")

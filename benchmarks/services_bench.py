@@ -44,7 +44,7 @@ import torch
 
 from chainspec.cluster import stack
 from chainspec.cluster.config import DrafterRoleConfig, StackConfig
-from chainspec.engine.draft_types import DraftBatch, DraftReply
+from chainspec.engine.draft_types import DraftReply, UpdateBatch
 from chainspec.engine.local import (
     DEMO_MODEL,
     DrafterMode,
@@ -130,7 +130,7 @@ def codec_ms(rounds, cfg, k: int) -> tuple[float, float]:
     encode = total = 0.0
     for i, (updates, outcomes) in enumerate(rounds):
         t0 = time.perf_counter()
-        req = encode_draft_request(DraftBatch(i, tuple(updates)))
+        req = encode_draft_request(UpdateBatch(i, tuple(updates)))
         t1 = time.perf_counter()
         decode_draft_request(pb_parse(req), limits)
         resp = encode_draft_response(DraftReply(i, tuple(outcomes)))

@@ -16,7 +16,7 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from chainspec.engine.draft_types import DraftBatch, DraftResult, DraftSampling, SeqUpdate
+from chainspec.engine.draft_types import DraftResult, DraftSampling, SeqUpdate, UpdateBatch
 from chainspec.engine.fingerprint import model_fingerprint
 from chainspec.rpc.channel import make_channel
 from chainspec.rpc.draft_codec import encode_draft_request, encode_update
@@ -276,7 +276,7 @@ def test_oversize_message_ends_stream_with_resource_exhausted(server, pair) -> N
     rows = MAX_BYTES // (4 * H) + 8
     big = SeqUpdate(2, 0, (1,) * rows, torch.randn(rows, H))
     with pytest.raises(grpc.RpcError) as err:
-        stream.ask(encode_draft_request(DraftBatch(1, (big,))))
+        stream.ask(encode_draft_request(UpdateBatch(1, (big,))))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     stream.close()
     assert wait_until(lambda: server.engine.load == 0), "the dead stream's state is freed"

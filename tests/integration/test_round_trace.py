@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from chainspec.engine.draft_types import DraftBatch, DraftResult, SeqUpdate
+from chainspec.engine.draft_types import DraftResult, SeqUpdate, UpdateBatch
 from chainspec.rpc.draft_codec import encode_draft_request
 from chainspec.rpc.draft_pool import GrpcDraftClient
 from chainspec.rpc.drafter_service import DRAFTER_SERVICE, DrafterServicer
@@ -126,7 +126,7 @@ def test_a_stream_waits_for_warm_up() -> None:
     stream = DraftStream(running.address)
     try:
         H = target.config.hidden_size
-        request = encode_draft_request(DraftBatch(1, (_update(1, 0, 3, H),)))
+        request = encode_draft_request(UpdateBatch(1, (_update(1, 0, 3, H),)))
         answer = threading.Thread(target=lambda: got.append(stream.ask(request)))
         got: list = []
         answer.start()

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from chainspec.engine.draft_types import (
-    DraftBatch,
     DraftReply,
     DraftResult,
     DraftSampling,
     ErrorCode,
     SeqFailure,
     SeqUpdate,
+    UpdateBatch,
 )
 from chainspec.rpc import codec
 from chainspec.rpc import draft_codec as dc
@@ -43,9 +43,9 @@ def _assert_one_buffer(blocks: list[torch.Tensor]) -> None:
         ptr += b.numel() * b.element_size()
 
 
-def _batch(sizes, seed=0) -> DraftBatch:
+def _batch(sizes, seed=0) -> UpdateBatch:
     g = torch.Generator().manual_seed(seed)
-    return DraftBatch(3, tuple(SeqUpdate(10 + i, 4, tuple(range(1, n + 1)),
+    return UpdateBatch(3, tuple(SeqUpdate(10 + i, 4, tuple(range(1, n + 1)),
                                          torch.randn(n, H, generator=g))
                                for i, n in enumerate(sizes)))
 
@@ -201,7 +201,7 @@ def test_response_with_a_bad_greedy_draft_fails_it_alone() -> None:
 
 def test_sampled_updates_keep_their_sampling() -> None:
     s = DraftSampling(0.5, 3, seed=2 ** 64 - 1)
-    batch = DraftBatch(1, (SeqUpdate(1, 0, (1, 2), torch.randn(2, H), True, s),
+    batch = UpdateBatch(1, (SeqUpdate(1, 0, (1, 2), torch.randn(2, H), True, s),
                            SeqUpdate(2, 0, (3,), torch.randn(1, H))))
     back, _ = dc.decode_draft_request(_wire(dc.encode_draft_request(batch)), LIMITS)
     assert [u.sampling for u in back.updates] == [s, DraftSampling()]

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from chainspec.engine.draft_types import (
-    DraftBatch,
     DraftReply,
     DraftResult,
     DraftSampling,
     ErrorCode,
     SeqFailure,
     SeqUpdate,
+    UpdateBatch,
 )
 from chainspec.rpc import draft_codec as dc
 from chainspec.rpc.generated.v1 import drafter_pb2 as pb
@@ -33,7 +33,7 @@ def _update(seq_id=1, n=2, **kw) -> SeqUpdate:
 
 def test_request_round_trip() -> None:
     sampled = DraftSampling(0.75, top_k=4, seed=0)  # seed 0 is a seed, not "unset"
-    batch = DraftBatch(7, (_update(1), _update(2, 1, want_drafts=False),
+    batch = UpdateBatch(7, (_update(1), _update(2, 1, want_drafts=False),
                            _update(3, 4, sampling=sampled),
                            _update(4, sampling=DraftSampling(0.5, 2))), releases=(9, 11))
     back, failures = dc.decode_draft_request(_wire(dc.encode_draft_request(batch)), LIMITS)
@@ -47,7 +47,7 @@ def test_request_round_trip() -> None:
 
 def test_request_hidden_wire_dtype() -> None:
     u = _update(n=4)
-    msg = dc.encode_draft_request(DraftBatch(1, (u,)), hidden_dtype="int8")
+    msg = dc.encode_draft_request(UpdateBatch(1, (u,)), hidden_dtype="int8")
     assert msg.updates[0].hidden.dtype == pb.chainspec_dot_v1_dot_tensor__pb2.DTYPE_INT8
     back, _ = dc.decode_draft_request(_wire(msg), LIMITS)
     assert torch.allclose(back.updates[0].hidden, u.hidden, atol=u.hidden.abs().max() / 200)
@@ -57,13 +57,13 @@ def test_request_hidden_wire_dtype() -> None:
 def test_batch_encoding_equals_per_update_encoding(wire) -> None:
     """The batch is quantized once; per-row scales make each slice its own encoding."""
     updates = (_update(1, 3), _update(2, 1), _update(3, 5))
-    msg = dc.encode_draft_request(DraftBatch(1, updates), hidden_dtype=wire)
+    msg = dc.encode_draft_request(UpdateBatch(1, updates), hidden_dtype=wire)
     for u, m in zip(updates, msg.updates, strict=True):
         assert m == dc.encode_update(u, hidden_dtype=wire)
 
 
 def test_decoded_batch_hidden_are_writable() -> None:
-    batch = DraftBatch(1, (_update(1, 3), _update(2, 2)))
+    batch = UpdateBatch(1, (_update(1, 3), _update(2, 2)))
     back, _ = dc.decode_draft_request(_wire(dc.encode_draft_request(batch)), LIMITS)
     for u in back.updates:
         u.hidden.mul_(2)  # owned memory, not the message's bytes

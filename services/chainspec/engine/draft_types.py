@@ -151,7 +151,7 @@ class DraftAhead:
 
 
 @dataclass(frozen=True)
-class DraftBatch:
+class UpdateBatch:
     """One step's work for a drafter. Releases apply before updates."""
 
     batch_id: int
@@ -161,7 +161,7 @@ class DraftBatch:
 
 @dataclass(frozen=True)
 class DraftReply:
-    """The answer to one DraftBatch: drafts and failures in update order."""
+    """The answer to one UpdateBatch: drafts and failures in update order."""
 
     batch_id: int
     results: tuple[SeqOutcome, ...] = ()

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Info
 from prometheus_client.exposition import generate_latest
 
 from chainspec.rpc.call_metrics import CallMetrics
+from chainspec.version import chainspec_version
 
 PREFIX = "chainspec_"
-
-
-def chainspec_version() -> str:
-    try:
-        return importlib.metadata.version("chainspec")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 class ServiceMetrics:

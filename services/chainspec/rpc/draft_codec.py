@@ -1,6 +1,6 @@
 """Draft stream messages to and from the dataclasses of `engine.draft_types`.
 
-The verifier encodes `DraftBatch` and decodes `DraftReply`; the drafter does the reverse.
+The verifier encodes `UpdateBatch` and decodes `DraftReply`; the drafter does the reverse.
 Both decoders validate per sequence: a bad entry becomes a `SeqFailure` for that
 sequence (INVALID_ARGUMENT, the message names the field) and the rest of the batch goes
 on, so one bad sequence never takes the stream down.
@@ -16,7 +16,6 @@ import torch
 from chainspec.engine.draft_types import (
     GREEDY,
     DraftAhead,
-    DraftBatch,
     DraftReply,
     DraftResult,
     DraftSampling,
@@ -24,6 +23,7 @@ from chainspec.engine.draft_types import (
     SeqFailure,
     SeqOutcome,
     SeqUpdate,
+    UpdateBatch,
 )
 from chainspec.rpc.codec import (
     FLOAT_DTYPES,
@@ -41,6 +41,8 @@ from chainspec.rpc.codec import (
 )
 from chainspec.rpc.generated.v1 import drafter_pb2 as pb
 
+# The Drafter service's full name (health checks, reflection, server registration).
+DRAFTER_SERVICE = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 # Tolerance on the row sums of a sampled draft distribution.
 PROB_SUM_TOL = 1e-3
 # Draft stream metadata: how many sequences the verifier will hold on the stream.
@@ -106,7 +108,7 @@ def _packed_hidden(updates: tuple[SeqUpdate, ...]) -> torch.Tensor:
     return torch.cat(hidden)
 
 
-def encode_draft_request(batch: DraftBatch,
+def encode_draft_request(batch: UpdateBatch,
                          hidden_dtype: WireDType | str = WireDType.F32) -> pb.DraftRequest:
     """One conversion (or quantization) and one device-to-host copy for the whole batch."""
     msg = pb.DraftRequest(batch_id=batch.batch_id, releases=batch.releases)
@@ -166,16 +168,8 @@ def _look_ahead(msg: pb.SequenceUpdate, limits: DraftLimits, name: str) -> dict:
     return {"look_ahead": True, "verifying": tuple(verifying)}
 
 
-def decode_update(msg: pb.SequenceUpdate, limits: DraftLimits, name: str = "update") -> SeqUpdate:
-    """Validate one update; raises WireError(INVALID_ARGUMENT) naming the field."""
-    tokens, _, _, sampling, ahead = _check_update(msg, limits, name)
-    (hidden,) = to_tensors([decode_array(msg.hidden, name=f"{name}.hidden")])
-    return SeqUpdate(msg.seq_id, msg.start, tokens, hidden, msg.want_drafts, sampling,
-                     **ahead)
-
-
 def decode_draft_request(msg: pb.DraftRequest,
-                         limits: DraftLimits) -> tuple[DraftBatch, tuple[SeqFailure, ...]]:
+                         limits: DraftLimits) -> tuple[UpdateBatch, tuple[SeqFailure, ...]]:
     """The valid updates as a batch, plus one failure per rejected update.
 
     The hidden states of the batch are decoded at once into one packed float32 buffer
@@ -200,7 +194,7 @@ def decode_draft_request(msg: pb.DraftRequest,
     updates = tuple(SeqUpdate(u.seq_id, u.start, tokens, h, u.want_drafts, sampling, **ahead)
                     for (_, u, tokens, _, _, sampling, ahead), h in zip(checked, hidden,
                                                                        strict=True))
-    return DraftBatch(msg.batch_id, updates, tuple(msg.releases)), tuple(failures)
+    return UpdateBatch(msg.batch_id, updates, tuple(msg.releases)), tuple(failures)
 
 
 def _packed_hidden_rows(checked, cols: int) -> list[torch.Tensor] | None:

@@ -33,15 +33,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chainspec.engine.draft_types import (
     DraftAhead,
-    DraftBatch,
     ErrorCode,
     SeqFailure,
     SeqOutcome,
     SeqUpdate,
+    UpdateBatch,
 )
 from chainspec.rpc.channel import DEFAULT_CLIENT_OPTIONS, ClientOptions, make_channel
 from chainspec.rpc.codec import WireDType
 from chainspec.rpc.draft_codec import (
+    DRAFTER_SERVICE,
     DraftLimits,
     decode_draft_response,
     encode_draft_request,
@@ -60,7 +61,6 @@ from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
 from chainspec.rpc.round_trace import RoundTrace
 
 log = logging.getLogger(__name__)
-DRAFTER_SERVICE = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 RECONNECT_BASE_S = 0.1  # first reconnect delay; doubles per failed try up to the max
 RECONNECT_MAX_S = 5.0
 STABLE_LINK_S = 5.0  # a stream that lived this long resets the backoff
@@ -333,7 +333,7 @@ class GrpcDraftClient:
         if self.trace is not None:
             self.trace.mark(batch_id, "v_send")
         releases, link.pending_releases = tuple(link.pending_releases), []
-        msg = encode_draft_request(DraftBatch(batch_id, tuple(updates), releases),
+        msg = encode_draft_request(UpdateBatch(batch_id, tuple(updates), releases),
                                    self.hidden_dtype)
         if self.trace is not None:
             self.trace.mark(batch_id, "v_encoded")

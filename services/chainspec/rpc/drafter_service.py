@@ -17,7 +17,6 @@ sequence beyond that is refused RESOURCE_EXHAUSTED for that sequence alone.
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import itertools
 import re
 import time
@@ -41,6 +40,7 @@ from chainspec.engine.lookahead import AheadSource
 from chainspec.metrics.drafter import DrafterMetrics
 from chainspec.rpc.codec import WireError, invalid
 from chainspec.rpc.draft_codec import (
+    DRAFTER_SERVICE,
     MAX_SEQS_KEY,
     DraftLimits,
     decode_draft_request,
@@ -51,8 +51,8 @@ from chainspec.rpc.generated.v1 import drafter_pb2 as pb
 from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
 from chainspec.rpc.round_trace import RoundTrace
 from chainspec.rpc.server import RunningServer, ServerOptions, start_server
+from chainspec.version import chainspec_version
 
-DRAFTER_SERVICE = pb.DESCRIPTOR.services_by_name["Drafter"].full_name
 WARMUP_SEQ = -1  # engine ids from streams are >= 0
 UNDECLARED_SHARE = 4  # an undeclared stream may hold 1/4 of the drafter (at least 1)
 
@@ -75,13 +75,6 @@ def stream_limit(metadata, capacity: int) -> int:
                 raise invalid(f"{MAX_SEQS_KEY}: expected a positive integer, got {text!r}")
             return int(text)
     return max(1, capacity // UNDECLARED_SHARE)
-
-
-def chainspec_version() -> str:
-    try:
-        return importlib.metadata.version("chainspec")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 class DrafterServicer(pb_grpc.DrafterServicer):

@@ -264,10 +264,6 @@ class RunningServer:
         """The Prometheus endpoint (`advertise` replaces a wildcard host), if any."""
         return self.metrics.url(advertise) if self.metrics is not None else None
 
-    @property
-    def active_calls(self) -> int:
-        return self._gate.active
-
     def add_drain_hook(self, hook: Callable[[], Awaitable[None] | None]) -> None:
         """Called at the start of `drain()`, e.g. to make open streams wind down."""
         self._drain_hooks.append(hook)

@@ -46,7 +46,6 @@ from chainspec.models.tokenizer import Tokenizer
 from chainspec.rpc.channel import ClientOptions
 from chainspec.rpc.codec import WireError
 from chainspec.rpc.draft_pool import DrafterMatch, GrpcDraftClient
-from chainspec.rpc.drafter_service import chainspec_version
 from chainspec.rpc.engine_watchdog import EngineWatchdog
 from chainspec.rpc.generate_codec import (
     GenerateArgs,
@@ -58,6 +57,7 @@ from chainspec.rpc.generate_codec import (
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 from chainspec.rpc.generated.v1 import verifier_pb2_grpc as pb_grpc
 from chainspec.rpc.server import RunningServer, ServerOptions, start_server
+from chainspec.version import chainspec_version
 
 VERIFIER_SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 ABORT_KEY = "x-chainspec-abort-key"  # Generate's initial metadata: the request's secret
