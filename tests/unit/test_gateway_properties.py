@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chainspec.gateway.app import Gateway, build_app
+from chainspec.gateway.app import Gateway
+from chainspec.gateway.asgi import build_app
 from chainspec.gateway.chat_template import ChatTemplate
 from chainspec.gateway.config import GatewayConfig
 from chainspec.gateway.routing import VerifierPool

@@ -1,5 +1,5 @@
-"""The gateway's ASGI app: the `Gateway` object the routes delegate to, the error
-handlers that turn every failure into an OpenAI-style body, and status metrics."""
+"""The `Gateway` object the HTTP routes delegate to (the ASGI app around it is built in
+`gateway/asgi.py`)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,14 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException
 
-from chainspec.gateway.body_limit import BodyLimit
 from chainspec.gateway.chat_template import ChatTemplate
 from chainspec.gateway.choices import Shape, read_choice, whole_body
 from chainspec.gateway.client import GenerationSpec, GenerationStream, open_generation
 from chainspec.gateway.config import GatewayConfig
-from chainspec.gateway.errors import APIError, invalid, not_found, overloaded, unavailable
+from chainspec.gateway.errors import invalid, overloaded, unavailable
 from chainspec.gateway.fanout import choice_specs, open_all
 from chainspec.gateway.metrics import GatewayMetrics
 from chainspec.gateway.responses import Envelope, Format
@@ -155,62 +153,3 @@ async def until_disconnected(request: Request, coro) -> Any:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-# ----------------------------------------------------------------------------- the app
-
-
-def build_app(gateway: Gateway) -> StatusMetrics:
-    from chainspec.gateway.routes import router
-
-    app = FastAPI(title="chainspec", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.gateway = gateway
-    app.include_router(router)
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, _internal_error)
-    app.add_middleware(BodyLimit, max_bytes=gateway.config.max_body_bytes)
-    return StatusMetrics(app, gateway.metrics)
-
-
-async def _api_error(request: Request, e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), e.status, headers=e.headers)
-
-
-async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
-    err = not_found(request.url.path) if e.status_code == 404 else \
-        APIError(e.status_code, str(e.detail), "invalid_request_error")
-    return JSONResponse(err.body(), err.status, headers=err.headers)
-
-
-async def _internal_error(request: Request, e: Exception) -> JSONResponse:
-    err = APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error", None,
-                   "internal_error")
-    return JSONResponse(err.body(), 500)
-
-
-class StatusMetrics:
-    """Pure ASGI wrapper counting response codes per route (it never buffers a body,
-    so streaming and disconnects pass through untouched)."""
-
-    def __init__(self, app: FastAPI, metrics: GatewayMetrics) -> None:
-        self.app, self.metrics = app, metrics
-
-    @property
-    def state(self):
-        return self.app.state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path, started = scope["path"], time.perf_counter()
-
-        async def observed_send(message) -> None:
-            if message["type"] == "http.response.start":
-                self.metrics.observe(path, message["status"])
-                self.metrics.headers_sent(path, message["status"],
-                                          time.perf_counter() - started)
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                self.metrics.answered(path, time.perf_counter() - started)
-            await send(message)
-        await self.app(scope, receive, observed_send)

@@ -11,7 +11,8 @@ import socket
 
 import uvicorn
 
-from chainspec.gateway.app import Gateway, build_app
+from chainspec.gateway.app import Gateway
+from chainspec.gateway.asgi import build_app
 from chainspec.gateway.chat_template import ChatTemplate
 from chainspec.gateway.config import GatewayConfig
 from chainspec.gateway.routing import VerifierPool

@@ -16,8 +16,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from chainspec.metrics.buckets import CALL_S
-from chainspec.rpc.server import _behavior as behavior  # the shell's handler helpers
-from chainspec.rpc.server import _same_kind as same_kind
+from chainspec.rpc.handlers import behavior, same_kind
 
 
 class CallMetrics:

@@ -24,6 +24,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from chainspec.metrics.endpoint import MetricsEndpoint
+from chainspec.rpc import handlers
+from chainspec.rpc.handlers import same_kind
 
 if TYPE_CHECKING:
     from chainspec.metrics.service import GrpcServiceMetrics
@@ -133,19 +135,6 @@ class _CallGate(grpc.aio.ServerInterceptor):
             self.idle.set()
 
 
-def _same_kind(handler, behavior, request_deserializer=None) -> grpc.RpcMethodHandler:
-    """A method handler like `handler` (same streaming kind and codecs, unless another
-    `request_deserializer` is given) running `behavior`."""
-    kind = {(False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler}
-    make = kind[(handler.request_streaming, handler.response_streaming)]
-    return make(behavior,
-                request_deserializer=request_deserializer or handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-
-
 class _Undecodable:
     """Stands in for a request message that failed to decode."""
 
@@ -176,7 +165,7 @@ async def _checked_stream(requests, context):
 def _decode_checked(handler) -> grpc.RpcMethodHandler:
     """`handler` answering INVALID_ARGUMENT for a request (or any message of a request
     stream) that does not decode; grpc itself would answer UNKNOWN."""
-    inner = _behavior(handler)
+    inner = handlers.behavior(handler)
     if handler.request_deserializer is None or not (
             inspect.isasyncgenfunction(inner) or inspect.iscoroutinefunction(inner)):
         return handler  # raw bytes, or a sync behavior (grpc's pool): nothing to check
@@ -200,22 +189,17 @@ def _decode_checked(handler) -> grpc.RpcMethodHandler:
         async def call(request, context):
             return await inner(await checked(request, context), context)
         behavior = call
-    return _same_kind(handler, behavior, _tolerant(handler.request_deserializer))
-
-
-def _behavior(handler):
-    return (handler.unary_unary or handler.unary_stream or handler.stream_unary
-            or handler.stream_stream)
+    return same_kind(handler, behavior, _tolerant(handler.request_deserializer))
 
 
 def _refusing(handler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     async def refuse(_request, context):
         await context.abort(code, message)
-    return _same_kind(handler, refuse)
+    return same_kind(handler, refuse)
 
 
 def _counted(handler, gate: _CallGate) -> grpc.RpcMethodHandler:
-    inner = _behavior(handler)
+    inner = handlers.behavior(handler)
     if inspect.isasyncgenfunction(inner):
         async def stream(request, context):
             gate.enter()
@@ -226,7 +210,7 @@ def _counted(handler, gate: _CallGate) -> grpc.RpcMethodHandler:
             finally:
                 await responses.aclose()
                 gate.leave()
-        return _same_kind(handler, stream)
+        return same_kind(handler, stream)
     if inspect.iscoroutinefunction(inner):
         async def call(request, context):
             gate.enter()
@@ -234,7 +218,7 @@ def _counted(handler, gate: _CallGate) -> grpc.RpcMethodHandler:
                 return await inner(request, context)
             finally:
                 gate.leave()
-        return _same_kind(handler, call)
+        return same_kind(handler, call)
     return handler  # a sync behavior runs on grpc's own pool; not ours to count
 
 
