@@ -61,7 +61,11 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-target", action="store_true",
                    help="copy the target's files into --out (default: symbolic links)")
     p.add_argument("--workers", type=int, default=1,
-                   help="data-parallel workers (only 1: the Ray Train path is not built)")
+                   help="data parallel workers through Ray Train (one GPU each on CUDA); "
+                        "--batch-size is per worker")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster for --workers > 1 (default: the Ray this process "
+                        "joined, else a local one)")
 
 
 def job_of(args: argparse.Namespace, command: str):
@@ -70,22 +74,18 @@ def job_of(args: argparse.Namespace, command: str):
     schedule = StageSchedule(steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
                              weight_decay=0.0)
     recipe = MTPRecipe(args.num_mtp, schedule, args.seq_len, args.batch_size,
-                       args.grad_accum, args.held_out_percent, args.continue_tokens,
-                       args.seed)
+                       args.grad_accum, args.workers, args.held_out_percent,
+                       args.continue_tokens, args.seed)
     e = EvalSettings(args.eval_windows, max(1, args.eval_windows // 4), args.eval_prompts,
                      args.eval_prompt_len, args.eval_new_tokens)
     bf16 = args.device.startswith("cuda") if args.bf16 is None else args.bf16
     settings = RunSettings(e, args.log_every, args.checkpoint_every, device=args.device,
-                           bf16=bf16, threads=args.threads, copy_target=args.copy_target)
+                           bf16=bf16, threads=args.threads, copy_target=args.copy_target,
+                           address=args.address)
     return MTPJob(args.target, args.data, args.out, recipe, settings, args.resume, command)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.workers != 1:
-        # NOTE: ray.train does not import here (the ray[train] extras are absent), so
-        # the data-parallel path was never built; say so rather than train on one.
-        raise ValueError("--workers > 1 (data parallel through Ray Train) is not "
-                         "implemented; train with one worker")
     from chainspec.training.train_mtp import train_mtp
 
     job = job_of(args, "chainspec " + shlex.join(sys.argv[1:]))

@@ -21,7 +21,14 @@ def freeze_target(model: TargetWithMTP) -> None:
 
 
 def distill_stage(model: TargetWithMTP, schedule: StageSchedule, grad_accum: int = 1,
-                  autocast: torch.dtype | None = None) -> Stage:
+                  autocast: torch.dtype | None = None, data_parallel: bool = False) -> Stage:
+    """data_parallel: this process is one rank of an initialised torch.distributed group
+    (`data_parallel.DataParallel`)."""
     freeze_target(model)
+    parallel = None
+    if data_parallel:
+        from chainspec.training.data_parallel import DataParallel
+        parallel = DataParallel(model)
     return Stage("distill", schedule, model.mtp_parameters(), distill_loss,
-                 grad_target=False, grad_accum=grad_accum, autocast=autocast)
+                 grad_target=False, grad_accum=grad_accum, autocast=autocast,
+                 parallel=parallel)

@@ -49,9 +49,10 @@ Self-distillation against the frozen target (target, embedding and head frozen):
 at row p reads emb(x[p+k]) and g[k-1][p] (g[0] = the target's hidden state; chain mode)
 and is trained with soft cross-entropy against the target's own distribution at row p+k.
 {sch.steps} steps x {rec.grad_accum} batch(es) of {rec.batch_size} x {rec.seq_len}
-tokens ({rec.tokens_per_step:,} tokens/step, {sch.steps * rec.tokens_per_step:,} in
-all); AdamW (0.9, 0.95), lr {sch.lr:g}, warmup {sch.warmup_steps}, cosine to
-{sch.min_lr_ratio:g}x, weight decay {sch.weight_decay:g}, grad clip {sch.grad_clip:g}.
+tokens on each of {rec.workers} data parallel worker(s) ({rec.tokens_per_step:,}
+tokens/step, {sch.steps * rec.tokens_per_step:,} in all); AdamW (0.9, 0.95), lr {sch.lr:g},
+warmup {sch.warmup_steps}, cosine to {sch.min_lr_ratio:g}x, weight decay {sch.weight_decay:g},
+grad clip {sch.grad_clip:g}.
 Modules start from Normal(0, 0.02) (residual outputs scaled down), norms at 1.
 {params}
 

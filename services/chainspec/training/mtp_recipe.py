@@ -15,8 +15,9 @@ class MTPRecipe:
     schedule: StageSchedule = StageSchedule(steps=1400, lr=3e-3, warmup_steps=40,
                                             weight_decay=0.0)
     seq_len: int = 512
-    batch_size: int = 2  # sequences per batch
+    batch_size: int = 2  # sequences per batch (per worker)
     grad_accum: int = 1  # batches per optimizer step
+    workers: int = 1  # data parallel ranks (Ray Train); the global batch is batch x workers
     held_out_percent: int = 5  # file/document-level held-out split (sha256 of its key)
     continue_tokens: int = 256  # tokens the target adds to each `prompt` record
     seed: int = 1234
@@ -24,14 +25,14 @@ class MTPRecipe:
     def __post_init__(self) -> None:
         if self.num_mtp < 1 or self.seq_len <= self.num_mtp + 1:
             raise ValueError("need >= 1 MTP module and seq_len > num_mtp + 1")
-        if self.batch_size < 1 or self.grad_accum < 1:
-            raise ValueError("batch_size and grad_accum must be >= 1")
+        if self.batch_size < 1 or self.grad_accum < 1 or self.workers < 1:
+            raise ValueError("batch_size, grad_accum and workers must be >= 1")
         if not 0 < self.held_out_percent < 100:
             raise ValueError("held_out_percent must be in 1..99")
 
     @property
     def tokens_per_step(self) -> int:
-        return self.seq_len * self.batch_size * self.grad_accum
+        return self.seq_len * self.batch_size * self.grad_accum * self.workers
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -49,6 +50,7 @@ class RunSettings:
     bf16: bool = False  # autocast to bfloat16 (GPU); the target is then held in bf16
     threads: int = 2
     copy_target: bool = False  # copy the target's files into --out instead of linking
+    address: str | None = None  # Ray cluster for workers > 1 (None: a local Ray)
 
     def __post_init__(self) -> None:
         if self.log_every < 1 or self.checkpoint_every < 0 or self.keep_checkpoints < 1:

@@ -45,8 +45,9 @@ def latest(folder: Path) -> Path | None:
 
 def load(path: Path, model: TargetWithMTP, recipe: MTPRecipe) -> StageState:
     blob = torch.load(path, map_location=model.device, weights_only=False)
-    if blob["recipe"] != recipe.as_dict():
-        changed = sorted(k for k, v in recipe.as_dict().items() if blob["recipe"].get(k) != v)
+    saved = {"workers": 1, **blob["recipe"]}  # checkpoints from before `workers`
+    if saved != recipe.as_dict():
+        changed = sorted(k for k, v in recipe.as_dict().items() if saved.get(k) != v)
         raise ValueError(f"{path}: written by a different recipe (differs in "
                          f"{', '.join(changed)}); resume with the same options")
     model.draft.mtp.load_state_dict(blob["mtp"], strict=True)

@@ -4,14 +4,19 @@ accumulation, optional autocast, logged rows, and resumption at any step.
 Every stage of both trainers (the demo's joint and distill stages, `chainspec train-mtp`)
 runs this one loop. A step draws `grad_accum` batches from the sampler, so a run resumed
 from `StageState` at step s draws the same batches as an uninterrupted run after step s.
+With a `parallel` hook (`data_parallel.DataParallel`) the same loop runs on every rank of
+a data parallel group: forward through DDP, gradients averaged on each step's last batch,
+metrics averaged over the ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +24,9 @@ from chainspec.training.batches import WindowSampler
 from chainspec.training.mtp_model import TargetWithMTP
 from chainspec.training.objective import Forward, run_model
 from chainspec.training.recipe import StageSchedule
+
+if TYPE_CHECKING:
+    from chainspec.training.data_parallel import DataParallel
 
 LossFn = Callable[[Forward, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
@@ -76,6 +84,7 @@ class Stage:
     grad_target: bool  # False: the target runs without autograd (frozen)
     grad_accum: int = 1  # batches per optimizer step
     autocast: torch.dtype | None = None  # e.g. torch.bfloat16 on a GPU
+    parallel: DataParallel | None = None  # this rank's data parallel group, if any
 
     def run(self, model: TargetWithMTP, sampler: WindowSampler, first_step: int,
             log_every: int, started: float, resume: StageState | None = None,
@@ -105,23 +114,27 @@ class Stage:
         for group in opt.param_groups:
             group["lr"] = lr_at(self.schedule, step)
         opt.zero_grad(set_to_none=True)
-        parts = []
-        for _ in range(self.grad_accum):
-            ids = sampler.next().to(model.device)  # [B, T]
-            with torch.autocast(ids.device.type, self.autocast or torch.bfloat16,
-                                enabled=self.autocast is not None):
-                loss, metrics = self.loss_fn(run_model(model, ids, self.grad_target), ids)
-            (loss / self.grad_accum if self.grad_accum > 1 else loss).backward()
+        parts, dp = [], self.parallel
+        for i in range(self.grad_accum):
+            ids = sampler.next().to(model.device)  # [B, T] (this rank's share)
+            last = i == self.grad_accum - 1
+            with dp.accumulating(last) if dp else contextlib.nullcontext():
+                with torch.autocast(ids.device.type, self.autocast or torch.bfloat16,
+                                    enabled=self.autocast is not None):
+                    fwd = dp.forward(ids) if dp else run_model(model, ids, self.grad_target)
+                    loss, metrics = self.loss_fn(fwd, ids)
+                (loss / self.grad_accum if self.grad_accum > 1 else loss).backward()
             parts.append(metrics)
         torch.nn.utils.clip_grad_norm_(self.params, self.schedule.grad_clip)
         opt.step()
-        return mean_metrics(parts)
+        return dp.mean_metrics(mean_metrics(parts)) if dp else mean_metrics(parts)
 
     def _row(self, step: int, window: list[dict[str, float]], started: float) -> LogRow:
         mean = mean_metrics(window)
         row = LogRow(self.name, step, "train", time.monotonic() - started, mean)
         shown = " ".join(f"{k}={v:.3f}" for k, v in mean.items())
-        print(f"[{self.name}] step {step} t={row.elapsed_s:.0f}s {shown}", flush=True)
+        if self.parallel is None or self.parallel.is_main:
+            print(f"[{self.name}] step {step} t={row.elapsed_s:.0f}s {shown}", flush=True)
         return row
 
 

@@ -69,28 +69,35 @@ def prepare_data(job: MTPJob, model: TargetWithMTP) -> TokenData:
                     job.recipe.continue_tokens, job.recipe.seed + 3)
 
 
-def train_modules(job: MTPJob, model: TargetWithMTP, data: TokenData, started: float
-                  ) -> tuple[list[LogRow], int]:
-    """The distill stage, resumable. Returns (log rows, step resumed from)."""
+def train_modules(job: MTPJob, model: TargetWithMTP, data: TokenData, started: float,
+                  rank: int = 0) -> tuple[list[LogRow], int]:
+    """The distill stage, resumable. Returns (log rows, step resumed from). With
+    `recipe.workers` > 1 this process is rank `rank` of a torch.distributed group: every
+    rank resumes from the same checkpoint; only rank 0 writes them and evaluates."""
     r, s = job.recipe, job.settings
-    sampler = WindowSampler(data.train_stream, r.seq_len, r.batch_size, r.seed + 1)
+    sampler = WindowSampler(data.train_stream, r.seq_len, r.batch_size, r.seed + 1,
+                            rank, r.workers)
     folder = resume.checkpoint_dir(job.out)
     found = resume.latest(folder) if job.resume else None
     state = resume.load(found, model, r) if found else None
     first = state.step if state else 0
-    if found:
+    if found and rank == 0:
         print(f"resuming from {found} (step {first})", flush=True)
     stage = distill_stage(model, r.schedule, r.grad_accum,
-                          torch.bfloat16 if s.bf16 else None)
+                          torch.bfloat16 if s.bf16 else None, data_parallel=r.workers > 1)
     bar = ProgressBar(r.schedule.steps, first)
 
     def on_step(step: int, metrics: dict[str, float], snapshot) -> None:
+        if rank != 0:
+            return
         bar.update(step, metrics)
         if s.checkpoint_every and step % s.checkpoint_every == 0:
             state_now: StageState = snapshot()
             resume.save(folder, model, r, state_now, s.keep_checkpoints)
 
     rows = stage.run(model, sampler, 0, s.log_every, started, state, on_step)
+    if rank != 0:
+        return rows, first
     windows = consecutive_windows(data.held_out_stream, r.seq_len, s.eval.loss_windows)
     with torch.autocast(torch.device(s.device).type, torch.bfloat16, enabled=s.bf16):
         rows.append(held_out_row(model, windows, "distill", r.schedule.steps, 0.0, started))
@@ -120,16 +127,31 @@ def measure(job: MTPJob, data: TokenData
 
 
 def train_mtp(job: MTPJob) -> MTPReport:
+    """One process, or `recipe.workers` Ray Train workers (`ray_launch`)."""
+    if job.recipe.workers > 1:
+        from chainspec.training.ray_launch import train_on_ray
+        return train_on_ray(job)
+    report = train_rank(job)
+    assert report is not None
+    return report
+
+
+def train_rank(job: MTPJob, rank: int = 0) -> MTPReport | None:
+    """The whole run as one rank sees it; rank 0 writes the output and its report, the
+    other ranks only train (and return None)."""
     started = time.monotonic()
     mtp_export.check_target(job.target, job.out)
     torch.manual_seed(job.recipe.seed)
     model = build_model(job)
     data = prepare_data(job, model)
     seconds = {"data": time.monotonic() - started}
-    print(f"data: {data.stats} ({seconds['data']:.0f}s)", flush=True)
+    if rank == 0:
+        print(f"data: {data.stats} ({seconds['data']:.0f}s)", flush=True)
     t0 = time.monotonic()
-    rows, first = train_modules(job, model, data, started)
+    rows, first = train_modules(job, model, data, started, rank)
     seconds["training"] = time.monotonic() - t0
+    if rank != 0:
+        return None
     mtp_export.write_folder(model, job.target, job.out, job.settings.copy_target)
     t0 = time.monotonic()
     tf, sim, prompts = measure(job, data)
