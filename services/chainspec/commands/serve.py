@@ -26,21 +26,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from chainspec.commands.server_args import add_token_args, read_token
-from chainspec.commands.stack_args import add_stack_mode_args
-from chainspec.engine.local import DTYPES
-from chainspec.serving.config import ServeConfig, merge, read_config_file
+from chainspec.commands.stack_flags import add_stack_args, file_with_flags
+from chainspec.serving.config import ServeConfig
 
 API_KEY_ENV = "CHAINSPEC_API_KEY"
 
-# flag -> top-level config key
-_STACK_FLAGS = {"model": "model_dir", "k": "num_steps", "max_seqs": "max_seqs",
-                "max_len": "max_len", "dtype": "dtype", "namespace": "namespace",
-                "grpc_host": "host", "address": "address", "timeout": "start_timeout_s",
-                "pipeline_groups": "pipeline_groups", "draft_ahead": "draft_ahead"}
-_ROLE_FLAGS = {"drafters": ("drafter", "replicas"), "verifiers": ("verifier", "replicas"),
-               "drafter_gpus": ("drafter", "num_gpus"), "verifier_gpus": ("verifier", "num_gpus"),
-               "drafter_mode": ("drafter", "mode")}
+# flag -> gateway key (the stack flags are commands/stack_flags.py's)
 _GATEWAY_FLAGS = {"host": "host", "port": "port", "model_name": "model_name",
                   "max_in_flight": "max_in_flight"}
 
@@ -48,29 +39,16 @@ _GATEWAY_FLAGS = {"host": "host", "port": "port", "model_name": "model_name",
 def add_parser(sub) -> list[str]:
     p = sub.add_parser("serve", help="the whole stack with the OpenAI-compatible HTTP API",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, help="serve config file (YAML or JSON)")
-    p.add_argument("--model", help="model directory (default: the bundled demo model)")
+    add_stack_args(p)
     p.add_argument("--address", help="join the Ray cluster at this address "
                                      "(default: an embedded local Ray)")
     p.add_argument("--host", help="HTTP address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000; 0: any free port)")
-    p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, help="K")
-    p.add_argument("--drafters", type=int, help="drafter actors (default 1)")
-    p.add_argument("--verifiers", type=int, help="verifier actors (default 1)")
-    p.add_argument("--max-seqs", type=int, help="sequence slots per verifier")
-    p.add_argument("--max-len", type=int, help="context length per slot")
-    p.add_argument("--dtype", choices=sorted(DTYPES))
-    p.add_argument("--drafter-gpus", type=float, help="GPUs per drafter (0: CPU)")
-    p.add_argument("--verifier-gpus", type=float, help="GPUs per verifier (0: CPU)")
-    p.add_argument("--namespace", help="Ray namespace of the stack (default chainspec)")
-    p.add_argument("--grpc-host", help="gRPC bind address of the services")
     p.add_argument("--model-name", help="model name clients send (default: the directory's)")
     p.add_argument("--max-in-flight", type=int, help="requests in flight, then 429")
     p.add_argument("--api-key-file", type=Path,
                    help=f"require this API key (default: ${API_KEY_ENV} when set)")
     p.add_argument("--timeout", type=float, help="seconds to wait for the stack to be ready")
-    add_stack_mode_args(p)
-    add_token_args(p)
     p.add_argument("--dry-run", action="store_true",
                    help="validate the config, print it resolved (secrets masked), start nothing")
     return ["serve"]
@@ -78,16 +56,16 @@ def add_parser(sub) -> list[str]:
 
 def resolve(args: argparse.Namespace) -> ServeConfig:
     """The config file with the flags on top, validated (ValueError names the problem)."""
-    data = read_config_file(args.config) if args.config else {}
-    return ServeConfig.from_dict(merge(data, _overrides(args)))
+    return ServeConfig.from_dict(file_with_flags(args, _serve_overrides(args)))
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {key: getattr(args, flag) for flag, key in _STACK_FLAGS.items()
-                           if getattr(args, flag) is not None}
-    for flag, (role, key) in _ROLE_FLAGS.items():
-        if getattr(args, flag) is not None:
-            out.setdefault(role, {})[key] = getattr(args, flag)
+def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """What `serve` adds to the stack flags: where Ray is, the wait, the gateway."""
+    out: dict[str, Any] = {}
+    if args.address is not None:
+        out["address"] = args.address
+    if args.timeout is not None:
+        out["start_timeout_s"] = args.timeout
     gateway = {key: getattr(args, flag) for flag, key in _GATEWAY_FLAGS.items()
                if getattr(args, flag) is not None}
     api_key = read_api_key(args)
@@ -95,9 +73,6 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         gateway["api_key"] = api_key
     if gateway:
         out["gateway"] = gateway
-    token = read_token(args)
-    if token:
-        out["auth_token"] = token
     return out
 
 

@@ -25,14 +25,14 @@ from chainspec.cluster.config import StackConfig
 from chainspec.cluster.controller import START_TIMEOUT_S
 from chainspec.cluster.plain_target import serve_plainly
 from chainspec.commands.server_args import jsonable
-from chainspec.commands.stack_args import add_config_args, print_members, stack_config
+from chainspec.commands.stack_args import print_members, stack_config
+from chainspec.commands.stack_flags import add_stack_args
 
 
 def add_parser(sub) -> list[str]:
     p = sub.add_parser("up", help="start drafters and verifiers as Ray actors",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_args(p)
-    p.add_argument("--namespace", default=None, help="Ray namespace of the stack")
+    add_stack_args(p, aliases={"host": ("--host",)})  # serve's --host is the HTTP one
     p.add_argument("--address", default=None,
                    help="join the Ray cluster at this address (default: embedded local Ray)")
     p.add_argument("--detach", action="store_true", help="return once the stack is ready")

@@ -3,19 +3,17 @@
 A YAML (or JSON) file holds `StackConfig`'s keys at the top level (the same keys as
 `chainspec up --config`), plus `address`, `start_timeout_s` and a `gateway:` section
 (`GatewayConfig`'s keys). Every level is a frozen dataclass validated once; an unknown
-key is an error that names it. Command-line flags override the file.
+key is an error that names it. Command-line flags override the file (the file reader
+and the flags are `commands/stack_flags.py`'s, shared with `chainspec up`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from chainspec.cluster.config import ROLES, StackConfig
+from chainspec.cluster.config import StackConfig
 from chainspec.gateway.config import GatewayConfig
 
 SERVE_KEYS = ("address", "start_timeout_s", "gateway")
@@ -56,31 +54,6 @@ class ServeConfig:
     def describe(self) -> dict[str, Any]:
         """`to_dict` with secrets masked, for printing."""
         return mask_secrets(self.to_dict())
-
-
-def read_config_file(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise ValueError(f"--config {path}: cannot read it: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"--config {path}: not YAML or JSON: {e}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: expected a mapping at the top level")
-    return data
-
-
-def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """`overrides` on top of `base`; the gateway and role sections merge key by key."""
-    out = dict(base)
-    for key, value in overrides.items():
-        if key in ("gateway", *ROLES) and isinstance(out.get(key), dict):
-            out[key] = {**out[key], **value}
-        else:
-            out[key] = value
-    return out
 
 
 def mask_secrets(value: Any) -> Any:

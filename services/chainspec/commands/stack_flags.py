@@ -1,0 +1,143 @@
+"""The stack flags of `chainspec serve` and `chainspec up`: one table, one way to add them,
+one strict config-file reader, one way to lay the flags over the file.
+
+A new stack flag is one `StackFlag` row in `STACK_FLAGS` (the `StackConfig` field it
+sets, its names, its argparse options); both commands then take it, and
+`tests/unit/test_stack_flags.py` fails until it has an example value for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from chainspec.cluster.config import ROLES
+from chainspec.commands.server_args import add_token_args, read_token
+from chainspec.engine.local import DTYPES, DrafterMode
+
+
+@dataclass(frozen=True)
+class StackFlag:
+    key: str  # StackConfig field; "role.field" for a role section (drafter/verifier)
+    names: tuple[str, ...]
+    options: dict[str, Any] = field(default_factory=dict)  # add_argument keywords
+
+    @property
+    def dest(self) -> str:
+        # NOTE: a prefix, so that no stack flag collides with a command's own (serve --host)
+        return "stack_" + self.key.replace(".", "_")
+
+
+STACK_FLAGS = (
+    StackFlag("model_dir", ("--model",), {"help": "model directory (default: the bundled "
+                                                   "demo model)"}),
+    StackFlag("num_steps", ("-k", "--num-speculative-tokens"), {"type": int, "metavar": "K",
+                                                         "help": "draft tokens per round"}),
+    StackFlag("chain", ("--no-chain",), {"action": "store_false", "help": "every MTP step "
+                                         "reads the target hidden state (non-chain mode)"}),
+    StackFlag("max_seqs", ("--max-seqs",), {"type": int, "help": "sequence slots per verifier"}),
+    StackFlag("drafter_max_seqs", ("--drafter-max-seqs",),
+              {"type": int, "help": "sequence slots per drafter"}),
+    StackFlag("max_len", ("--max-len",), {"type": int, "help": "context length per slot"}),
+    StackFlag("dtype", ("--dtype",), {"choices": sorted(DTYPES)}),
+    StackFlag("kv_cache_memory", ("--kv-cache-memory",),
+              {"type": int, "metavar": "BYTES", "help": "each verifier's paged KV cache, bytes"}),
+    StackFlag("kv_cache_fraction", ("--kv-cache-fraction",),
+              {"type": float, "metavar": "F",
+               "help": "paged KV cache as a share of free device memory (CUDA)"}),
+    StackFlag("host", ("--grpc-host",),
+              {"help": "gRPC bind address of the services; 0.0.0.0 advertises the node's IP"}),
+    StackFlag("namespace", ("--namespace",), {"help": "Ray namespace of the stack "
+                                                      "(default chainspec)"}),
+    StackFlag("health_interval_s", ("--health-interval",),
+              {"type": float, "help": "seconds between health pings"}),
+    StackFlag("drain_timeout_s", ("--drain-timeout",),
+              {"type": float, "help": "longest drain of a member, seconds"}),
+    StackFlag("draft_deadline_s", ("--draft-deadline",),
+              {"type": float, "help": "seconds a round waits for drafts"}),
+    StackFlag("pipeline_groups", ("--pipeline-groups",),
+              {"type": int, "help": "verifier groups taking turns so drafts overlap "
+                                    "verification (default 1: off)"}),
+    StackFlag("draft_ahead", ("--draft-ahead",),
+              {"action": "store_true", "help": "verifiers use drafters' look-ahead drafts "
+                                               "on a hit (default off)"}),
+    StackFlag("drafter.mode", ("--drafter-mode",),
+              {"choices": [m.value for m in DrafterMode],
+               "help": "remote (default): drafter actors over gRPC; local: each verifier "
+                       "runs the MTP modules in its own process, no drafter actors"}),
+    StackFlag("drafter.replicas", ("--drafters",), {"type": int, "help": "drafter actors"}),
+    StackFlag("verifier.replicas", ("--verifiers",), {"type": int, "help": "verifier actors"}),
+    StackFlag("drafter.num_gpus", ("--drafter-gpus",),
+              {"type": float, "help": "GPUs per drafter (0: CPU)"}),
+    StackFlag("verifier.num_gpus", ("--verifier-gpus",),
+              {"type": float, "help": "GPUs per verifier (0: CPU)"}),
+)
+
+
+def add_stack_args(p: argparse.ArgumentParser,
+                   aliases: dict[str, tuple[str, ...]] | None = None) -> None:
+    """`--config`, every `STACK_FLAGS` row (plus `aliases`: key -> extra names) and the
+    token flags. Every flag defaults to None: unset flags leave the file's value."""
+    p.add_argument("--config", type=Path,
+                   help="config file (YAML or JSON, schema in docs/design.md); flags override")
+    for flag in STACK_FLAGS:
+        names = (*flag.names, *(aliases or {}).get(flag.key, ()))
+        options = dict(flag.options)
+        if "action" not in options and "choices" not in options:
+            options.setdefault("metavar", flag.names[-1].lstrip("-").replace("-", "_").upper())
+        p.add_argument(*names, dest=flag.dest, default=None, **options)
+    add_token_args(p)
+
+
+def stack_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The given stack flags (and the service token) as config keys, roles as sections."""
+    out: dict[str, Any] = {}
+    for flag in STACK_FLAGS:
+        value = getattr(args, flag.dest)
+        if value is None:
+            continue
+        role, _, key = flag.key.rpartition(".")
+        (out.setdefault(role, {}) if role else out)[key] = value
+    token = read_token(args)
+    if token:
+        out["auth_token"] = token
+    return out
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`overrides` on top of `base`; the gateway and role sections merge key by key."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if key in ("gateway", *ROLES) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def file_with_flags(args: argparse.Namespace, extra: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """The --config file (if any), then the stack flags, then `extra`, merged."""
+    data = read_config_file(args.config) if args.config is not None else {}
+    return merge(merge(data, stack_overrides(args)), extra or {})
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A YAML/JSON mapping, or ValueError naming the file and what is wrong with it."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"--config {path}: cannot read it: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path}: not YAML or JSON: {e}") from None
+    if data is None:
+        raise ValueError(f"--config {path}: the file is empty (write {{}} for every default)")
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping at the top level")
+    return data

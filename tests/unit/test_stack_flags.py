@@ -1,0 +1,100 @@
+"""One config path for `chainspec serve` and `chainspec up`: every stack flag, alone, over
+a file, and all together, resolves to the same `StackConfig` through both commands and
+changes the field its row names; an empty or unreadable `--config` is refused the same
+way by both."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from chainspec.cli import build_parser, main
+from chainspec.cluster.config import StackConfig
+from chainspec.commands import serve
+from chainspec.commands.stack_args import stack_config
+from chainspec.commands.stack_flags import STACK_FLAGS
+
+# StackConfig key -> a command-line value that differs from the default (a new
+# STACK_FLAGS row without an example here fails `test_every_flag_has_an_example`)
+EXAMPLES = {
+    "model_dir": "/models/x", "num_steps": "4", "chain": None, "max_seqs": "5",
+    "drafter_max_seqs": "7", "max_len": "512", "dtype": "bfloat16",
+    "kv_cache_memory": "1048576", "kv_cache_fraction": "0.5", "host": "0.0.0.0",
+    "namespace": "ns1", "health_interval_s": "2.5", "drain_timeout_s": "9",
+    "draft_deadline_s": "0.2", "pipeline_groups": "2", "draft_ahead": None,
+    "drafter.mode": "local", "drafter.replicas": "3", "verifier.replicas": "2",
+    "drafter.num_gpus": "0.5", "verifier.num_gpus": "1",
+}
+PARSER, _ = build_parser()
+
+
+def argv_of(flag) -> list[str]:
+    value = EXAMPLES[flag.key]
+    return [flag.names[-1]] + ([] if value is None else [value])
+
+
+def both(*argv: str) -> tuple[StackConfig, StackConfig]:
+    """What `serve` and `up` resolve the same arguments to."""
+    return (serve.resolve(PARSER.parse_args(["serve", *argv])).stack,
+            stack_config(PARSER.parse_args(["up", *argv])))
+
+
+def field_of(config: StackConfig, key: str):
+    role, _, name = key.rpartition(".")
+    return getattr(config.role(role) if role else config, name)
+
+
+def test_every_flag_has_an_example() -> None:
+    assert sorted(f.key for f in STACK_FLAGS) == sorted(EXAMPLES)
+
+
+@pytest.mark.parametrize("flag", STACK_FLAGS, ids=lambda f: f.names[-1])
+def test_each_flag_reaches_the_same_field_through_serve_and_up(flag, tmp_path) -> None:
+    by_serve, by_up = both(*argv_of(flag))
+    assert by_serve == by_up
+    assert field_of(by_up, flag.key) != field_of(StackConfig(), flag.key)
+    defaults = StackConfig().to_dict()
+    del defaults["drafter"]["replicas"]  # its default follows drafter.mode
+    path = tmp_path / "stack.yaml"  # over a file that sets the key otherwise
+    path.write_text(json.dumps(defaults))
+    by_serve_f, by_up_f = both("--config", str(path), *argv_of(flag))
+    assert by_serve_f == by_up_f == by_up
+
+
+def test_all_flags_together_over_a_file(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CHAINSPEC_AUTH_TOKEN", "tok")
+    path = tmp_path / "stack.yaml"
+    path.write_text("max_waiting: 9\ndrafter: {num_cpus: 2}\nverifier: {port: 7000}\n")
+    argv = ["--config", str(path), "--token-env", "CHAINSPEC_AUTH_TOKEN"]
+    for flag in STACK_FLAGS:
+        if flag.key not in ("kv_cache_fraction", "drafter.replicas"):  # exclusive with others
+            argv += argv_of(flag)
+    by_serve, by_up = both(*argv)
+    assert by_serve == by_up
+    assert (by_up.max_waiting, by_up.drafter.num_cpus, by_up.verifier.port) == (9, 2, 7000)
+    assert by_up.auth_token == "tok" and by_up.drafter.local and not by_up.chain
+
+
+def test_up_takes_host_as_grpc_host_and_serve_as_http_host() -> None:
+    up = stack_config(PARSER.parse_args(["up", "--host", "0.0.0.0"]))
+    args = PARSER.parse_args(["serve", "--host", "0.0.0.0"])
+    assert up.host == "0.0.0.0" and serve.resolve(args).stack.host == StackConfig.host
+    assert serve.resolve(args).gateway.host == "0.0.0.0"
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("", "the file is empty"),
+    ("# only a comment\n", "the file is empty"),
+    ("- a\n", "expected a mapping at the top level"),
+    ("num_steps: [\n", "not YAML or JSON"),
+    ("bogus: 1\n", "config: unknown keys bogus"),
+])
+@pytest.mark.parametrize("command", ["serve", "up"])
+def test_bad_files_are_refused_alike(tmp_path, capsys, command, text, needle) -> None:
+    path = tmp_path / "stack.yaml"
+    path.write_text(text)
+    assert main([command, "--config", str(path), "--dry-run"]) == 2
+    assert needle in capsys.readouterr().err
+    assert main([command, "--config", str(tmp_path / "missing.yaml"), "--dry-run"]) == 2
+    assert "cannot read it" in capsys.readouterr().err
