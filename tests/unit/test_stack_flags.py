@@ -1,7 +1,7 @@
 """One config path for `chainspec serve` and `chainspec up`: every stack flag, alone, over
 a file, and all together, resolves to the same `StackConfig` through both commands and
 changes the field its row names; an empty or unreadable `--config` is refused the same
-way by both."""
+way by both; every config level is built by the one strict helper."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from chainspec.cluster.config import StackConfig
 from chainspec.commands import serve
 from chainspec.commands.stack_args import stack_config
 from chainspec.commands.stack_flags import STACK_FLAGS
+from chainspec.gateway.config import GatewayConfig
+from chainspec.serving.config import ServeConfig
 
 # StackConfig key -> a command-line value that differs from the default (a new
 # STACK_FLAGS row without an example here fails `test_every_flag_has_an_example`)
@@ -98,3 +100,16 @@ def test_bad_files_are_refused_alike(tmp_path, capsys, command, text, needle) ->
     assert needle in capsys.readouterr().err
     assert main([command, "--config", str(tmp_path / "missing.yaml"), "--dry-run"]) == 2
     assert "cannot read it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("build,where", [
+    (StackConfig.from_dict, "config"), (ServeConfig.from_dict, "config"),
+    (GatewayConfig.from_dict, "gateway"),
+    (lambda d: StackConfig.from_dict({"drafter": d}), "drafter"),
+    (lambda d: StackConfig.from_dict({"verifier": d}), "verifier"),
+])
+def test_every_level_refuses_unknown_keys_and_non_mappings_alike(build, where) -> None:
+    with pytest.raises(ValueError, match=rf"^{where}: unknown keys bogus, zz; known: "):
+        build({"zz": 1, "bogus": 2})
+    with pytest.raises(ValueError, match=rf"^{where}: expected a mapping, got list"):
+        build([1])

@@ -11,6 +11,7 @@ from typing import Any
 from chainspec.engine.local import DEMO_MODEL, DrafterMode, LocalOptions
 from chainspec.rpc.channel import ClientOptions
 from chainspec.rpc.server import ServerOptions
+from chainspec.strict_config import build_strict, check_mapping
 
 ROLES = ("drafter", "verifier")  # what the controller starts and scales
 MEMBER_ROLES = (*ROLES, "gateway")  # gateways run outside and join
@@ -184,24 +185,13 @@ class StackConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StackConfig:
         """From parsed JSON/YAML; unknown keys are an error naming them."""
+        check_mapping(data, "config", cls=cls)  # NOTE: before dict(), which takes lists
         data = dict(data)
         for role, role_cls in (("drafter", DrafterRoleConfig), ("verifier", RoleConfig)):
             if role in data:
-                data[role] = _build(role_cls, data[role], role)
-        return _build(cls, data, "config")
+                data[role] = build_strict(role_cls, data[role], role)
+        return build_strict(cls, data, "config")
 
 
 def _path(value: str | None) -> Path | None:
     return Path(value) if value else None
-
-
-def _build(cls, data: Any, where: str):
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {', '.join(unknown)}; "
-                         f"known: {', '.join(sorted(known))}")
-    return cls(**data)
-

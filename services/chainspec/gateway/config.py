@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from chainspec.strict_config import build_strict
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -41,14 +43,7 @@ class GatewayConfig:
     @classmethod
     def from_dict(cls, data: Any) -> GatewayConfig:
         """From parsed YAML/JSON; unknown keys are an error naming them."""
-        if not isinstance(data, dict):
-            raise ValueError(f"gateway: expected a mapping, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"gateway: unknown keys {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-        return cls(**data)
+        return build_strict(cls, data, "gateway")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

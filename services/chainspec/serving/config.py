@@ -9,12 +9,12 @@ and the flags are `commands/stack_flags.py`'s, shared with `chainspec up`).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from chainspec.cluster.config import StackConfig
 from chainspec.gateway.config import GatewayConfig
+from chainspec.strict_config import check_mapping
 
 SERVE_KEYS = ("address", "start_timeout_s", "gateway")
 SECRETS = ("auth_token", "api_key")
@@ -35,13 +35,7 @@ class ServeConfig:
 
     @classmethod
     def from_dict(cls, data: Any) -> ServeConfig:
-        if not isinstance(data, dict):
-            raise ValueError(f"config: expected a mapping, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(StackConfig)} | set(SERVE_KEYS)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"config: unknown keys {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
+        check_mapping(data, "config", SERVE_KEYS, cls=StackConfig)
         stack = {k: v for k, v in data.items() if k not in SERVE_KEYS}
         return cls(StackConfig.from_dict(stack), GatewayConfig.from_dict(data.get("gateway", {})),
                    data.get("address"), data.get("start_timeout_s", cls.start_timeout_s))
