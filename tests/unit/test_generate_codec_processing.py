@@ -93,3 +93,13 @@ def test_include_stop_str_in_output(include, text) -> None:
     detok = IncrementalDetokenizer(_Chars.decode, ("cd",))
     assert detok.add([0, 1, 2]) == "ab"  # "c" held back: it may start the stop string
     assert detok.finish([3, 4], "cd", include) == text[2:]
+
+
+@pytest.mark.parametrize("include,text", [(False, "abc"), (True, "abcd")])
+def test_a_stop_token_id_is_not_in_the_text_unless_asked(include, text) -> None:
+    """Stopped by a stop token id (no stop string): the token id is reported, its text
+    only with include_stop_str_in_output (as vLLM does)."""
+    writer = _ResponseWriter("r", 3, _Chars(), (), include)
+    msgs = writer.messages(RequestOutput("r", (0, 1, 2, 3), FinishReason.STOP))
+    assert list(msgs[0].chunk.token_ids) == [0, 1, 2, 3]
+    assert msgs[0].chunk.text == text

@@ -36,7 +36,7 @@ from chainspec.engine.local import (
     local_drafter,
     verifier_config,
 )
-from chainspec.engine.request import RequestOutput, StopConditions
+from chainspec.engine.request import FinishReason, RequestOutput, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.verifier import VerifierEngine
 from chainspec.metrics.verifier import VerifierMetrics
@@ -174,7 +174,11 @@ class _ResponseWriter:
         if self.detok is None:
             text = ""
         elif out.finished:
-            text = self.detok.finish(out.new_tokens, out.stop_string, self.include_stop_str)
+            shown = out.new_tokens
+            if out.finish_reason is FinishReason.STOP and out.stop_string is None and \
+                    not self.include_stop_str and shown:
+                shown = shown[:-1]  # NOTE: a stop token id: its text is not output (vLLM)
+            text = self.detok.finish(shown, out.stop_string, self.include_stop_str)
         else:
             text = self.detok.add(out.new_tokens)
         msgs = [chunk_message(self.request_id, out.new_tokens, text, out.logprobs)] \
