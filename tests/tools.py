@@ -1,8 +1,8 @@
 """Finding what the tests drive: Helm 3 (on PATH or in ./.tools/bin, see `make tools`),
-the kubernetes-validate package, promtool and Prometheus. A missing tool skips the test
-with the reason, or fails it under CHAINSPEC_REQUIRE_TOOLS=1 (set by .ci/run), so a CI run
-can never pass by skipping. The upstream CRD schemas are vendored in tests/helm/crds: a
-missing one is a broken checkout and always fails."""
+the kubernetes-validate and transformers packages, openssl, promtool and Prometheus. A
+missing tool skips the test with the reason, or fails it under CHAINSPEC_REQUIRE_TOOLS=1
+(set by .ci/run), so a CI run can never pass by skipping. The upstream CRD schemas are
+vendored in tests/helm/crds: a missing one is a broken checkout and always fails."""
 
 from __future__ import annotations
 
@@ -62,6 +62,20 @@ def kubernetes_validate():
     except ImportError:
         missing("kubernetes-validate", "install the test extra (pip install kubernetes-validate)")
     return kubernetes_validate
+
+
+def transformers():
+    """The transformers module (reference implementation for parity tests)."""
+    try:
+        import transformers
+    except ImportError:
+        missing("transformers", "install the test extra (pip install -e '.[test]')")
+    return transformers
+
+
+def openssl() -> str:
+    """Path of the openssl command (test certificates)."""
+    return shutil.which("openssl") or missing("openssl", "install Debian's openssl package")
 
 
 def crd_dir() -> Path:

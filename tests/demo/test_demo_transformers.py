@@ -11,13 +11,14 @@ from chainspec.engine.local import DEMO_MODEL, build_verifier
 from chainspec.engine.request import StopConditions
 from chainspec.engine.runner import run_to_completion
 from chainspec.engine.sampling import SamplingParams
+from tests import tools
 
 PROMPT = "def fibonacci(n):"
 
 
 @pytest.fixture(scope="module")
 def hf_greedy(demo_tokenizer):
-    transformers = pytest.importorskip("transformers")
+    transformers = tools.transformers()
     model = transformers.AutoModelForCausalLM.from_pretrained(DEMO_MODEL,
                                                                dtype=torch.float32).eval()
     ids = torch.tensor([demo_tokenizer.encode(PROMPT)])

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from chainspec.models.loader import load_draft_model, load_target
+from tests import tools
 from tests.integration.helpers import LoopThread
 from tests.integration.tiny_checkpoint import write_tiny_model
 
@@ -17,6 +18,12 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def openssl() -> str:
+    """openssl, which makes the test certificates (skip, or fail under CI, without it)."""
+    return tools.openssl()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import shutil
 import socket
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from chainspec.rpc.server import ServerOptions, start_server
 from tests.integration.certs import make_ca, make_leaf
 
 pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")]
+              pytest.mark.usefixtures("openssl")]
 SERVICE = "test.v1.Thing"
 
 

@@ -9,7 +9,6 @@ client certificate, the token or the server name serves nothing."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 
 import openai
 import pytest
@@ -29,7 +28,7 @@ from tests.integration.certs import make_ca, make_leaf
 from tests.integration.helpers import plain_outputs, prompt_ids
 
 pytestmark = [pytest.mark.timeout(180),
-              pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")]
+              pytest.mark.usefixtures("openssl")]
 TOKEN, KEY, TOKENS = "svc-token-e2e", "sk-e2e", 16
 SERVER_NAME = "chainspec-workers.internal"
 

@@ -4,7 +4,6 @@ with its own client certificate)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import grpc
@@ -24,7 +23,7 @@ from tests.integration.grpc_helpers import DraftStream, drafter_engine, start_dr
 from tests.unit.engine_fixtures import tied_pair
 
 pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")]
+              pytest.mark.usefixtures("openssl")]
 TOKEN = "s3cret-token"
 
 
