@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from chainspec.cluster.autoscale import AutoscalePolicy
 from chainspec.engine.local import DEMO_MODEL, DrafterMode, LocalOptions
 from chainspec.rpc.channel import ClientOptions
 from chainspec.rpc.server import ServerOptions
@@ -66,10 +67,15 @@ class DrafterRoleConfig(RoleConfig):
       with no wire (single-device deployments; the co-located baseline). No drafter
       actor exists, so `replicas` is 0 (its default in this mode) and the role's
       resources are unused.
+
+    `autoscale` (remote mode only) lets the controller move the drafter count between the
+    policy's bounds (`cluster/autoscale.py`); `replicas` is then the starting count (default:
+    the minimum).
     """
 
     replicas: int | None = None  # type: ignore[assignment]  # None: 1 remote, 0 local
     mode: DrafterMode = DrafterMode.REMOTE
+    autoscale: AutoscalePolicy | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -78,8 +84,18 @@ class DrafterRoleConfig(RoleConfig):
             raise ValueError(f"drafter.mode must be one of "
                              f"{', '.join(m.value for m in DrafterMode)}, got {self.mode!r}"
                              ) from None
+        if isinstance(self.autoscale, dict):
+            object.__setattr__(self, "autoscale", AutoscalePolicy.from_dict(self.autoscale))
+        policy = self.autoscale
+        if policy is not None and self.local:
+            raise ValueError("drafter.autoscale needs drafter.mode remote: in local mode "
+                             "there are no drafter actors to scale")
         if self.replicas is None:
-            object.__setattr__(self, "replicas", 0 if self.local else 1)
+            default = policy.min_drafters if policy is not None else 0 if self.local else 1
+            object.__setattr__(self, "replicas", default)
+        if policy is not None and policy.clamp(self.replicas) != self.replicas:
+            raise ValueError(f"drafter.replicas {self.replicas} is outside drafter.autoscale "
+                             f"{policy.spec}")
         if self.local and self.replicas:
             raise ValueError(f"drafter.replicas must be 0 with drafter.mode local (each "
                              f"verifier drafts in process), got {self.replicas}")
@@ -127,6 +143,7 @@ class StackConfig:
     max_waiting: int = 64
     pipeline_groups: int = 1  # verifier groups taking turns (DESIGN 4.8); 1: off
     draft_ahead: bool = False  # verifiers use drafters' look-ahead drafts on a hit (4.8)
+    controller_metrics_port: int | None = 0  # the controller's /metrics (autoscaler); null: off
 
     def __post_init__(self) -> None:
         self.local_options("verifier")  # validates the model and KV fields
@@ -140,6 +157,10 @@ class StackConfig:
         if min(self.health_interval_s, self.health_timeout_s, self.drain_timeout_s,
                self.draft_deadline_s, self.start_timeout_s) <= 0:
             raise ValueError("health, drain and draft timings must be > 0")
+        if self.controller_metrics_port is not None \
+                and not 0 <= self.controller_metrics_port < 65536:
+            raise ValueError(f"controller_metrics_port must be in [0, 65535] or null, "
+                             f"got {self.controller_metrics_port}")
         if not self.namespace or not self.host:
             raise ValueError("namespace and host must not be empty")
         tls = (self.tls_ca, self.tls_server_cert, self.tls_server_key, self.tls_client_cert,

@@ -15,6 +15,13 @@ several a second for as long as the stack runs) record no Ray task events: each 
 otherwise be kept by Ray's GCS (up to 100k tasks), which grew ~1.5 MB a minute on an idle
 stack.
 
+Drafter autoscaling (`cluster/autoscale.py`, `cluster/autoscale_loop.py`): with a policy
+in the intent, a loop samples the verifiers and, on a decision, stores it and the new
+desired count in the intent, then reconciles (scale-in drains). A restarted controller
+resumes the stored policy and honours the stored decision's cooldown. A fixed
+`scale drafter N` turns autoscaling off. Decisions are logged and exported on the
+controller's own metrics endpoint (`controller_metrics_port`).
+
 Drain of one member: state DRAINING (version bump); for a drafter, wait until every ready
 verifier has applied that version (routes nothing new there, moved its sequences away)
 and its load is 0; then the member's server drains (new calls UNAVAILABLE, calls in
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from typing import Any
@@ -33,10 +41,16 @@ from typing import Any
 import ray
 
 from chainspec.cluster.actors import DrafterActor, VerifierActor
+from chainspec.cluster.autoscale import AutoscalePolicy, Decision
+from chainspec.cluster.autoscale_loop import AutoscaleLoop
 from chainspec.cluster.config import MEMBER_ROLES, ROLES, StackConfig
 from chainspec.cluster.intent import MEMBER_NAME, Intent, IntentStore, actor_name, role_of
 from chainspec.cluster.membership import Member, MemberState
 from chainspec.cluster.plain_target import refuse_drafters
+from chainspec.metrics.controller import ControllerMetrics
+from chainspec.metrics.endpoint import MetricsEndpoint
+
+log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # longest wait for new members to load their model
 FORGET_AFTER = 10  # health timeouts after which a silent external member is dropped
@@ -57,6 +71,13 @@ class Controller:
         # acknowledgement) from the dead controller is always older than ours
         self.version = self.intent.epoch << 32
         self._recovered = asyncio.Event()
+        self.metrics = ControllerMetrics()
+        self._endpoint = MetricsEndpoint(self.metrics.registry, config.host,
+                                         config.controller_metrics_port) \
+            if config.controller_metrics_port is not None else None
+        self.autoscaler = AutoscaleLoop(self._member_list, self._handles.__getitem__,
+                                        config.drafter_max_seqs, config.health_timeout_s,
+                                        self._autoscaled)
         for member_id in list(self.intent.members):
             self._adopt(member_id)
         self._save()
@@ -64,8 +85,33 @@ class Controller:
 
     # -- queries ------------------------------------------------------------------------
     async def ping(self) -> dict[str, Any]:
-        """This incarnation: pid, epoch (restarts of this stack's controller), version."""
-        return {"pid": os.getpid(), "epoch": self.intent.epoch, "version": self.version}
+        """This incarnation: pid, epoch (restarts of this stack's controller), version,
+        metrics_url (None: off)."""
+        return {"pid": os.getpid(), "epoch": self.intent.epoch, "version": self.version,
+                "metrics_url": self._metrics_url()}
+
+    async def autoscale_state(self) -> dict[str, Any]:
+        """The drafter autoscaling policy (None: a fixed count), its last decision, the
+        desired drafter count and the latest sample of the signals."""
+        latest = self.autoscaler.latest
+        return {"policy": self.intent.autoscale, "last_decision": self.intent.last_decision,
+                "desired": self.intent.replicas["drafter"],
+                "signals": latest.to_dict() if latest is not None else None,
+                "metrics_url": self._metrics_url()}
+
+    async def set_autoscale(self, policy: dict[str, Any] | None) -> dict[str, Any]:
+        """Autoscale drafters under `policy` (AutoscalePolicy fields; the ones left out
+        keep their defaults), or stop autoscaling (None) at the current count."""
+        parsed = AutoscalePolicy.from_dict(policy) if policy is not None else None
+        if parsed is not None and self.config.drafter.local:
+            raise ValueError("this stack's drafter mode is local: no drafter actors to scale")
+        if parsed is not None:
+            await asyncio.to_thread(refuse_drafters, self.config)
+        await self._recovered.wait()
+        self.intent.autoscale = parsed.to_dict() if parsed is not None else None
+        self._save()
+        self._start_autoscaler()
+        return await self.autoscale_state()
 
     async def members(self) -> list[dict[str, Any]]:
         await self._recovered.wait()
@@ -146,8 +192,14 @@ class Controller:
         if role == "drafter" and n > 0:  # a model without MTP modules: say so, start none
             await asyncio.to_thread(refuse_drafters, self.config)
         await self._recovered.wait()
+        if role == "drafter" and self.intent.autoscale is not None:  # a fixed count now
+            log.info("drafter autoscaling off: scaled to a fixed %d", n)
+            self.intent.autoscale = None
+            self._start_autoscaler()
         self.intent.replicas[role] = n
         self._save()
+        if role == "drafter":
+            self.metrics.desired.set(n)
         started, drains = self._reconcile(role)
         if wait:
             await asyncio.gather(*drains)
@@ -160,6 +212,7 @@ class Controller:
         self.intent.stopped = True
         self._save()
         self._recovered.set()  # NOTE: nobody waits forever on a recovery cancelled here
+        self.autoscaler.stop()
         for task in list(self._tasks):
             task.cancel()
         for member_id in list(self._members):
@@ -204,6 +257,8 @@ class Controller:
                     self._start_task(self._drain(member))
             for role in ROLES:
                 self._reconcile(role)
+            self._start_autoscaler()
+        self.metrics.desired.set(self.intent.replicas["drafter"])
         self._bump()
         self._recovered.set()
 
@@ -222,6 +277,35 @@ class Controller:
         # drain the least loaded first, newest on ties
         victims = sorted(active, key=lambda m: (m.load, -_index(m)))[:max(0, len(active) - n)]
         return started, [self._start_task(self._drain(m)) for m in victims]
+
+    # -- autoscaling --------------------------------------------------------------------
+    def _start_autoscaler(self) -> None:
+        policy = self.intent.autoscale
+        last = self.intent.last_decision
+        self.autoscaler.restart(AutoscalePolicy(**policy) if policy is not None else None,
+                                Decision.from_dict(last) if last is not None else None,
+                                lambda: self.intent.replicas["drafter"])
+        self.metrics.policy(AutoscalePolicy(**policy) if policy is not None else None)
+
+    def _autoscaled(self, decision: Decision) -> None:
+        """Store the decision and the new count, then start or drain drafters."""
+        if self.intent.stopped or self.intent.autoscale is None:
+            return
+        self.intent.replicas["drafter"] = decision.after
+        self.intent.last_decision = decision.to_dict()
+        self._save()  # NOTE: before acting, like every change of the intent
+        self.metrics.decided(decision)
+        log.info("drafter autoscale %s %d -> %d: %s", decision.direction, decision.before,
+                 decision.after, decision.reason)
+        self._reconcile("drafter")
+
+    def _member_list(self) -> list[Member]:
+        return list(self._members.values())
+
+    def _metrics_url(self) -> str | None:
+        if self._endpoint is None:
+            return None
+        return self._endpoint.url(ray.util.get_node_ip_address())
 
     # -- internals ----------------------------------------------------------------------
     def _spawn(self, role: str) -> Member:

@@ -4,9 +4,9 @@ Serve's controller).
 
 The controller writes its intent BEFORE it acts: desired replicas per role (scaled counts
 included), the member-id counters, every member it spawned and has not yet seen gone,
-and which of those are draining. Every action is redone from it: a restarted controller
-re-adopts the members it finds by name, drains the draining ones again and spawns only
-what is missing. One JSON value per stack namespace, written whole (a put is atomic).
+which of those are draining, and the drafter autoscaling policy with its last decision.
+Every action is redone from it: a restarted controller re-adopts the members it finds by
+name, drains the draining ones again and spawns only what is missing. One JSON value per stack namespace, written whole (a put is atomic).
 """
 
 from __future__ import annotations
@@ -40,10 +40,14 @@ class Intent:
     draining: list[str] = field(default_factory=list)
     stopped: bool = False  # `shutdown` began: a restart spawns nothing
     epoch: int = 0  # controller incarnations of this stack (versions stay monotonic)
+    autoscale: dict | None = None  # the drafter AutoscalePolicy in force; None: fixed count
+    last_decision: dict | None = None  # the autoscaler's last Decision
 
     @classmethod
     def fresh(cls, config: StackConfig, stack_id: str) -> Intent:
-        return cls(stack_id, {role: config.role(role).replicas for role in ROLES})
+        policy = config.drafter.autoscale
+        return cls(stack_id, {role: config.role(role).replicas for role in ROLES},
+                   autoscale=policy.to_dict() if policy is not None else None)
 
     def new_id(self, role: str) -> str:
         n = self.next_id.get(role, 0)

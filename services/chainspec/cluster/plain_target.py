@@ -53,7 +53,7 @@ def serve_plainly(config: StackConfig) -> tuple[StackConfig, str | None]:
     reason = no_mtp_reason(config.model_dir)
     if reason is None:
         return config, None
-    drafter = dataclasses.replace(d, mode=DrafterMode.REMOTE, replicas=0)
+    drafter = dataclasses.replace(d, mode=DrafterMode.REMOTE, replicas=0, autoscale=None)
     return dataclasses.replace(config, drafter=drafter), \
         f"{reason}. Starting 0 drafters: the stack serves with plain decoding"
 

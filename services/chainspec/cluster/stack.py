@@ -174,6 +174,24 @@ def scale(role: str, n: int, address: str | None = None, namespace: str = NAMESP
                          f"{role}(s) first and carries on: see `chainspec status`") from None
 
 
+def autoscale_state(address: str | None = None, namespace: str = NAMESPACE
+                    ) -> dict[str, Any]:
+    """The drafter autoscaling policy (None: fixed), last decision, desired count and the
+    latest signals (`Controller.autoscale_state`)."""
+    return _ask(connect(address, namespace).autoscale_state.remote())
+
+
+def set_autoscale(policy: dict[str, Any] | None, address: str | None = None,
+                  namespace: str = NAMESPACE) -> dict[str, Any]:
+    """Autoscale the drafters under `policy` (AutoscalePolicy fields), or stop (None)."""
+    try:
+        return _ask(connect(address, namespace).set_autoscale.remote(policy))
+    except ray.exceptions.RayTaskError as e:  # a refused policy: say why
+        if isinstance(e.cause, ValueError):
+            raise StackError(str(e.cause)) from None
+        raise
+
+
 def down(address: str | None = None, namespace: str = NAMESPACE) -> None:
     """Stop every member and the controller; stop the embedded Ray's owner process. With
     the controller gone for good, members its intent still lists are killed by name."""

@@ -31,17 +31,33 @@ def namespace(args: argparse.Namespace) -> str:
     return args.namespace or NAMESPACE
 
 
-def print_members(members: list[dict[str, Any]], as_json: bool, target=None) -> None:
+def print_members(members: list[dict[str, Any]], as_json: bool, target=None,
+                  autoscale: dict[str, Any] | None = None) -> None:
     """The members as a table or JSON; `target` (a `stack.Target`) is the stack they
-    belong to: the first line of the table, `address` and `namespace` in the JSON."""
+    belong to: the first line of the table, `address` and `namespace` in the JSON;
+    `autoscale` (`stack.autoscale_state`): a line under it, `autoscale` in the JSON."""
     if as_json:
         where = {"address": target.address, "namespace": target.namespace} if target else {}
-        print(json.dumps({**where, "members": jsonable(members)}, indent=2))
+        more = {"autoscale": autoscale} if autoscale is not None else {}
+        print(json.dumps({**where, **more, "members": jsonable(members)}, indent=2))
         return
     if target is not None:
         print(target)
+    if autoscale is not None:
+        print(autoscale_line(autoscale))
     cols = ("member_id", "role", "state", "endpoint", "load", "pid", "node")
     rows = [cols] + [tuple(str(m.get(c)) for c in cols) for m in members]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+
+
+def autoscale_line(state: dict[str, Any]) -> str:
+    """`drafters: auto:1-4, desired 3; last: up 1 -> 3 (occupancy: ...)`."""
+    policy, last = state.get("policy"), state.get("last_decision")
+    spec = f"auto:{policy['min_drafters']}-{policy['max_drafters']}" if policy else "fixed"
+    line = f"drafters: {spec}, desired {state.get('desired')}"
+    if last:
+        line += f"; last decision: {last['direction']} {last['before']} -> {last['after']} " \
+                f"({last['reason']})"
+    return line

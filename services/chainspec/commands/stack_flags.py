@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from chainspec.cluster.autoscale import AutoscalePolicy
 from chainspec.cluster.config import ROLES
 from chainspec.commands.server_args import add_token_args, read_token
 from chainspec.engine.local import DTYPES, DrafterMode
@@ -69,13 +70,31 @@ STACK_FLAGS = (
               {"choices": [m.value for m in DrafterMode],
                "help": "remote (default): drafter actors over gRPC; local: each verifier "
                        "runs the MTP modules in its own process, no drafter actors"}),
-    StackFlag("drafter.replicas", ("--drafters",), {"type": int, "help": "drafter actors"}),
+    StackFlag("drafter.replicas", ("--drafters",),
+              {"type": lambda text: drafter_count(text), "metavar": "N|auto:MIN-MAX",
+               "help": "drafter actors: a fixed count, or auto:MIN-MAX to let the "
+                       "controller scale them with the load (drafter.autoscale)"}),
     StackFlag("verifier.replicas", ("--verifiers",), {"type": int, "help": "verifier actors"}),
     StackFlag("drafter.num_gpus", ("--drafter-gpus",),
               {"type": float, "help": "GPUs per drafter (0: CPU)"}),
     StackFlag("verifier.num_gpus", ("--verifier-gpus",),
               {"type": float, "help": "GPUs per verifier (0: CPU)"}),
 )
+
+
+def drafter_count(text: str) -> int | tuple[int, int]:
+    """`--drafters`: a count, or `auto:MIN-MAX` as (min, max)."""
+    if text.strip().startswith("auto"):
+        try:
+            policy = AutoscalePolicy.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return policy.min_drafters, policy.max_drafters
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a drafter count or auto:MIN-MAX, "
+                                         f"got {text!r}") from None
 
 
 def add_stack_args(p: argparse.ArgumentParser,
@@ -101,7 +120,13 @@ def stack_overrides(args: argparse.Namespace) -> dict[str, Any]:
         if value is None:
             continue
         role, _, key = flag.key.rpartition(".")
-        (out.setdefault(role, {}) if role else out)[key] = value
+        section = out.setdefault(role, {}) if role else out
+        if flag.key == "drafter.replicas":  # a count turns autoscaling off, a range on
+            section["autoscale"] = None if isinstance(value, int) else \
+                {"min_drafters": value[0], "max_drafters": value[1]}
+            if not isinstance(value, int):
+                continue
+        section[key] = value
     token = read_token(args)
     if token:
         out["auth_token"] = token
@@ -113,7 +138,10 @@ def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in overrides.items():
         if key in ("gateway", *ROLES) and isinstance(out.get(key), dict):
+            base_policy, policy = out[key].get("autoscale"), value.get("autoscale")
             out[key] = {**out[key], **value}
+            if isinstance(base_policy, dict) and isinstance(policy, dict):  # bounds only
+                out[key]["autoscale"] = {**base_policy, **policy}
         else:
             out[key] = value
     return out

@@ -13,9 +13,10 @@ from chainspec.commands.stack_args import add_connect_args, namespace, print_mem
 def add_parser(sub) -> list[str]:
     p = sub.add_parser("status", help="show the members of a running stack",
                        description="Members with role, endpoint, state, load, pid, node and "
-                                   "metrics_url, after a line naming the stack; --json "
-                                   "prints {\"address\", \"namespace\", \"members\": "
-                                   "[...]}.")
+                                   "metrics_url, after a line naming the stack and one on "
+                                   "drafter autoscaling (policy, last decision); --json "
+                                   "prints {\"address\", \"namespace\", \"autoscale\", "
+                                   "\"members\": [...]}.")
     add_connect_args(p)
     return ["status"]
 
@@ -27,8 +28,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     try:
         members = stack.status(args.address, namespace(args))
+        autoscale = stack.autoscale_state(args.address, namespace(args))
     except stack.StackError as e:
         print(f"chainspec status: {e}", file=sys.stderr)
         return 1
-    print_members(members, args.json, stack.target_of(namespace(args)))
+    print_members(members, args.json, stack.target_of(namespace(args)), autoscale)
     return 0

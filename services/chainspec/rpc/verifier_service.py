@@ -257,10 +257,15 @@ class VerifierServer:
         return self.engine.running + self.engine.waiting
 
     def stats(self) -> dict[str, float]:
-        """Engine steps and draft-pool counters (wait for drafts, bytes), cumulative."""
+        """Engine steps and draft-pool counters (wait for drafts, bytes), cumulative; the
+        running sequences; the draft wait of speculative rounds (the drafter autoscaler)."""
         core = self.engine.engine
+        wait = self.metrics.draft_wait if self.metrics is not None else None
         return {"steps": self.engine.steps, "step_s_total": self.engine.step_s_total,
                 "ahead_hits": core.ahead_hits, "ahead_misses": core.ahead_misses,
+                "running": self.engine.running,
+                "draft_wait_s_total": wait.sum if wait is not None else 0.0,
+                "draft_waits": sum(wait.counts) if wait is not None else 0,
                 **asdict(self.drafts.stats)}
 
     async def set_drafters(self, endpoints: Sequence[str]) -> None:

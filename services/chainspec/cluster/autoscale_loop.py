@@ -1,0 +1,88 @@
+"""The controller's drafter autoscaler: samples what the verifiers measure, runs the rule
+of `cluster/autoscale.py`, and hands each decision to the controller, which stores it in
+its intent (GCS KV) before acting, then starts or drains drafters through its reconcile.
+
+Signals, each interval: drafters serving / in flight (starting, draining, dead) from the
+controller's membership; running sequences and the cumulative draft wait (seconds and
+rounds) from each ready verifier's `stats`, turned into the mean wait per round since the
+previous sample. A verifier that does not answer in time is left out of that sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from chainspec.cluster.autoscale import AutoscalePolicy, Autoscaler, Decision, Signals
+from chainspec.cluster.membership import Member, MemberState
+
+log = logging.getLogger(__name__)
+
+
+class AutoscaleLoop:
+    """One task per policy; `restart` after the policy changes (or the controller
+    recovered)."""
+
+    def __init__(self, members: Callable[[], list[Member]], handle: Callable[[str], Any],
+                 capacity: int, timeout_s: float,
+                 apply: Callable[[Decision], None]) -> None:
+        self._members, self._handle, self._apply = members, handle, apply
+        self.capacity, self.timeout_s = capacity, timeout_s
+        self.latest: Signals | None = None
+        self._task: asyncio.Task | None = None
+        self._waits: dict[str, tuple[float, float]] = {}  # verifier -> (wait s, rounds)
+
+    def restart(self, policy: AutoscalePolicy | None, last: Decision | None,
+                current: Callable[[], int]) -> None:
+        self.stop()
+        if policy is not None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(Autoscaler(policy, last), current))
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _run(self, scaler: Autoscaler, current: Callable[[], int]) -> None:
+        while True:
+            await asyncio.sleep(scaler.policy.interval_s)
+            try:
+                self.latest = await self.sample()
+                decision = scaler.observe(time.time(), self.latest, current())
+                if decision is not None:
+                    self._apply(decision)
+            except Exception:  # NOTE: a bad sample must not end autoscaling for good
+                log.exception("drafter autoscaler: sample failed")
+
+    async def sample(self) -> Signals:
+        members = self._members()
+        drafters = [m for m in members if m.role == "drafter"]
+        verifiers = [m for m in members
+                     if m.role == "verifier" and m.state is MemberState.READY]
+        stats = await asyncio.gather(*(self._stats(m) for m in verifiers))
+        sequences, wait_s, rounds = 0, 0.0, 0.0
+        for member, s in zip(verifiers, stats, strict=True):
+            if s is None:
+                continue
+            sequences += int(s.get("running", 0))
+            total = (float(s.get("draft_wait_s_total", 0.0)), float(s.get("draft_waits", 0)))
+            before = self._waits.get(member.member_id, total)
+            if total[1] >= before[1]:  # NOTE: a restarted verifier counts from 0 again
+                wait_s, rounds = wait_s + total[0] - before[0], rounds + total[1] - before[1]
+            self._waits[member.member_id] = total
+        return Signals(
+            drafters=sum(m.state is MemberState.READY for m in drafters),
+            in_flight=sum(m.state is not MemberState.READY for m in drafters),
+            sequences=sequences, capacity=self.capacity,
+            draft_wait_s=wait_s / rounds if rounds else None)
+
+    async def _stats(self, member: Member) -> dict[str, Any] | None:
+        with contextlib.suppress(Exception):  # restarting, hung, gone: not this sample
+            return await asyncio.wait_for(self._handle(member.member_id).stats.remote(),
+                                          self.timeout_s)
+        return None
