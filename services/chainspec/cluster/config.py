@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from chainspec.cluster.autoscale import AutoscalePolicy
-from chainspec.engine.local import DEMO_MODEL, DrafterMode, LocalOptions
+from chainspec.engine.options import DEMO_MODEL, DrafterMode, LocalOptions
 from chainspec.rpc.channel import ClientOptions
 from chainspec.rpc.server import ServerOptions
 from chainspec.strict_config import build_strict, check_mapping
@@ -117,6 +117,9 @@ class StackConfig:
     dtype: str = "float32"
     kv_cache_memory: int | None = None  # each verifier's paged KV bytes (default: slots')
     kv_cache_fraction: float | None = None  # or a share of free device memory (CUDA)
+    kv_block_size: int = LocalOptions.kv_block_size  # positions per KV block (every engine)
+    draft_top_k: int = LocalOptions.draft_top_k  # support of sampled drafts (every engine)
+    use_graphs: bool = LocalOptions.use_graphs  # CUDA graphs on GPU members; False: eager
     drafter: DrafterRoleConfig = field(default_factory=DrafterRoleConfig)
     verifier: RoleConfig = field(default_factory=RoleConfig)
     host: str = "127.0.0.1"  # gRPC bind address; 0.0.0.0 advertises the node's IP
@@ -194,9 +197,15 @@ class StackConfig:
         return self.role(role).resource or f"chainspec_{role}"
 
     def local_options(self, role: str) -> LocalOptions:
-        return LocalOptions(Path(self.model_dir), self.num_steps, self.chain, self.max_seqs,
-                            self.max_len, self.dtype, self.role(role).device,
-                            self.kv_cache_memory, self.kv_cache_fraction)
+        """The engine options of a `role` member (`engine/factory.py` builds from them): a
+        drafter has drafter_max_seqs slots and a KV pool sized by them."""
+        opts = LocalOptions(
+            model_dir=Path(self.model_dir), num_steps=self.num_steps, chain=self.chain,
+            max_seqs=self.max_seqs, max_len=self.max_len, dtype=self.dtype,
+            device=self.role(role).device, kv_cache_memory=self.kv_cache_memory,
+            kv_cache_fraction=self.kv_cache_fraction, kv_block_size=self.kv_block_size,
+            draft_top_k=self.draft_top_k, use_graphs=self.use_graphs)
+        return opts.for_drafter(self.drafter_max_seqs) if role == "drafter" else opts
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

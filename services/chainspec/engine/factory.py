@@ -1,0 +1,98 @@
+"""The one place engines are built from `LocalOptions`.
+
+Every engine that serves is made here: the in-process pair of `generate`/`bench` and of a
+verifier in drafter mode local (`engine/local.py`), the Ray actors (`cluster/actors.py`)
+and the single-service commands (`chainspec drafter`; `chainspec verifier` through
+`rpc/verifier_service.py`). So an engine option (top-k, CUDA graphs, KV sizing) is read in
+one place and reaches every engine alike. Draft clients are the caller's (a gRPC pool or
+an in-process drafter): the verifier is built over whichever it is given.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from chainspec.engine.draft_client import DraftClient
+from chainspec.engine.drafter import DrafterConfig, DrafterEngine
+from chainspec.engine.observer import DrafterObserver
+from chainspec.engine.options import DTYPES, LocalOptions
+from chainspec.engine.verifier import VerifierConfig, VerifierEngine
+from chainspec.models.loader import load_draft_model, load_target
+from chainspec.models.mtp import MTPDraftModel
+from chainspec.models.target import TargetModel
+
+
+@dataclass
+class LoadedModels:
+    target: TargetModel
+    draft: MTPDraftModel | None
+
+
+def load_target_model(opts: LocalOptions) -> TargetModel:
+    return load_target(opts.model_dir, DTYPES[opts.dtype], opts.device, cache_len=opts.max_len)
+
+
+def load_draft(opts: LocalOptions) -> MTPDraftModel:
+    """The MTP modules only (embedding, LM head, modules; no target layers)."""
+    return load_draft_model(opts.model_dir, DTYPES[opts.dtype], opts.device,
+                            cache_len=opts.max_len)
+
+
+def load_models(opts: LocalOptions, speculative: bool = True) -> LoadedModels:
+    return LoadedModels(load_target_model(opts), load_draft(opts) if speculative else None)
+
+
+def drafter_config(opts: LocalOptions) -> DrafterConfig:
+    """The engine config of a drafter over `opts` (its slots and KV pool are `opts`')."""
+    return DrafterConfig(num_steps=opts.num_steps, chain=opts.chain, max_seqs=opts.max_seqs,
+                         max_len=opts.max_len, top_k=opts.draft_top_k,
+                         use_graphs=opts.use_graphs, kv=opts.kv_budget)
+
+
+def verifier_config(opts: LocalOptions, groups: int = 1,
+                    draft_ahead: bool = False) -> VerifierConfig:
+    """The engine config of a verifier over `opts` (in process and as a service)."""
+    return VerifierConfig(num_steps=opts.num_steps, max_seqs=opts.max_seqs,
+                          max_len=opts.max_len, groups=groups, draft_ahead=draft_ahead,
+                          draft_top_k=opts.draft_top_k, use_graphs=opts.use_graphs,
+                          kv=opts.kv_budget,
+                          max_batch_tokens=max(1024, opts.max_seqs * (opts.num_steps + 1)))
+
+
+class TimedDrafterEngine(DrafterEngine):
+    """A DrafterEngine that counts its rounds and their compute time (benchmarks: the
+    drafter's share of a round's draft wait; the rest is the wire)."""
+
+    updates = 0
+    update_s_total = 0.0
+
+    def update(self, updates):
+        t0 = time.perf_counter()
+        try:
+            return super().update(updates)
+        finally:
+            self.updates += 1
+            self.update_s_total += time.perf_counter() - t0
+
+
+def build_drafter(draft: MTPDraftModel, opts: LocalOptions,
+                  observer: DrafterObserver | None = None) -> TimedDrafterEngine:
+    """A drafter engine over loaded MTP modules (captures its CUDA graphs, if any)."""
+    return TimedDrafterEngine(draft, drafter_config(opts), observer=observer)
+
+
+def load_drafter(opts: LocalOptions,
+                 observer: DrafterObserver | None = None) -> TimedDrafterEngine:
+    """Load the MTP modules of `opts.model_dir` and build a drafter over them."""
+    return build_drafter(load_draft(opts), opts, observer)
+
+
+def build_verifier_engine(target: TargetModel, opts: LocalOptions, drafts: DraftClient | None,
+                          eos_ids: Sequence[int] = (),
+                          detokenize: Callable[[list[int]], str] | None = None,
+                          groups: int = 1, draft_ahead: bool = False) -> VerifierEngine:
+    """A verifier engine over a loaded target and `drafts` (None: plain decoding)."""
+    return VerifierEngine(target, verifier_config(opts, groups, draft_ahead), drafts, eos_ids,
+                          detokenize)
