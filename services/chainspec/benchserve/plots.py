@@ -28,6 +28,11 @@ def write_all(report: dict[str, Any], out_dir: Path) -> list[Path]:
     return paths
 
 
+def drafters_png(report: dict[str, Any], path: Path) -> Path:
+    """The drafter timeline alone (`drafters_over_time`, load points shaded from `runs`)."""
+    return drafters(_pyplot(), report, path)
+
+
 def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
