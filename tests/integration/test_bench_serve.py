@@ -149,17 +149,24 @@ def test_errors_are_counted_by_kind_and_left_out_of_latencies(fake) -> None:
     assert within(point["e2e_ms"]["p90"], E2E_S)  # cut streams are not in the latencies
 
 
-def test_compare_plain_scales_drafters_to_zero_and_back(fake, monkeypatch) -> None:
+@pytest.mark.parametrize("policy", [None, "auto:1-3"])
+def test_compare_plain_scales_drafters_to_zero_and_back(fake, monkeypatch, policy) -> None:
+    """Back to the count it had, or to its autoscaling policy (not a fixed count)."""
     scaled = []
 
-    async def scale(client, n: int, args: list[str]) -> None:
+    async def scale(client, n: int | str, args: list[str]) -> None:
         scaled.append((n, args))
-        fake.drafters = n
+        fake.drafters = n if isinstance(n, int) else 1
+
+    async def autoscale_spec(args: list[str]) -> str | None:
+        assert args == ["--namespace", "x"]
+        return policy
 
     monkeypatch.setattr(stack, "scale_drafters", scale)
+    monkeypatch.setattr(stack, "autoscale_spec", autoscale_spec)
     out = sweep.run(config(fake, LoadPoint(LoadKind.CONCURRENCY, 2), n=4), prompts("a"),
                     True, sweep.StackControl(("--namespace", "x")))
-    assert scaled == [(0, ["--namespace", "x"]), (1, ["--namespace", "x"])]
+    assert scaled == [(0, ["--namespace", "x"]), (policy or 1, ["--namespace", "x"])]
     assert out["runs"]["plain"][0]["speculative"]["acceptance_length"] is None
     assert out["runs"]["spec"][0]["speculative"]["acceptance_length"] == pytest.approx(2.0)
     assert {n for _, n in out["drafters_over_time"]} <= {0, 1}
@@ -178,3 +185,11 @@ def test_cli_writes_json_markdown_and_plots(fake, tmp_path, capsys) -> None:
                     "latency_percentiles.png", "throughput_latency.png"]
     assert all((tmp_path / p).stat().st_size < 200_000 for p in pngs)
     assert "| c=2 |" in md and all(f"]({p})" in md for p in pngs)
+
+
+def test_idle_tail_keeps_recording_drafters_after_the_last_point(fake) -> None:
+    """--idle-tail: the timeline runs on past the load (where autoscaling drains)."""
+    out = sweep.run(config(fake, LoadPoint(LoadKind.CONCURRENCY, 1), n=2, idle_tail_s=1.5),
+                    prompts("a"), False)
+    end = out["runs"]["spec"][0]["t_end_s"]
+    assert max(t for t, _ in out["drafters_over_time"]) >= end + 1.0

@@ -71,6 +71,7 @@ class SweepConfig:
     seed: int = 0
     timeout_s: float = 300.0  # one request, connect to last byte
     warmup_requests: int = 1  # per sweep, not counted
+    idle_tail_s: float = 0.0  # drafters sampled this long after the last point (scale-in)
 
     def __post_init__(self) -> None:
         if not self.points:
@@ -79,3 +80,5 @@ class SweepConfig:
             raise ValueError(f"--num-prompts must be >= 1, got {self.requests_per_point}")
         if self.warmup_requests < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup_requests}")
+        if self.idle_tail_s < 0:
+            raise ValueError(f"--idle-tail must be >= 0, got {self.idle_tail_s}")

@@ -6,6 +6,7 @@ the stack from --address or the namespace's state file, as every stack command d
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -111,17 +112,37 @@ class DrafterSampler:
             await asyncio.sleep(self.period_s)
 
 
-async def scale_drafters(client: httpx.AsyncClient, n: int, stack_args: list[str]) -> None:
-    """`chainspec scale drafters n <stack_args>`, then until the gateway sees n drafters."""
-    argv = [sys.executable, "-m", "chainspec.cli", "scale", "drafters", str(n), *stack_args]
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=subprocess.PIPE,
+async def _chainspec(*argv: str) -> str:
+    """Run `chainspec argv...`; its output, or RuntimeError with it."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "chainspec.cli", *argv,
+                                                stdout=subprocess.PIPE,
                                                 stderr=subprocess.STDOUT)
     out, _ = await proc.communicate()
+    text = out.decode(errors="replace")
     if proc.returncode != 0:
-        raise RuntimeError(f"`chainspec scale drafters {n}` failed ({proc.returncode}): "
-                           f"{out.decode(errors='replace')[-2000:]}")
+        raise RuntimeError(f"`chainspec {' '.join(argv)}` failed ({proc.returncode}): "
+                           f"{text[-2000:]}")
+    return text
+
+
+async def autoscale_spec(stack_args: list[str]) -> str | None:
+    """`auto:MIN-MAX` of a stack whose drafters autoscale (`chainspec status --json`),
+    else None."""
+    text = await _chainspec("status", "--json", *stack_args)
+    policy = (json.loads(text).get("autoscale") or {}).get("policy")
+    return f"auto:{policy['min_drafters']}-{policy['max_drafters']}" if policy else None
+
+
+async def scale_drafters(client: httpx.AsyncClient, n: int | str,
+                         stack_args: list[str]) -> None:
+    """`chainspec scale drafters n <stack_args>`, then until the gateway sees n drafters
+    (an `auto:MIN-MAX` n: at least MIN)."""
+    await _chainspec("scale", "drafters", str(n), *stack_args)
+    low = int(n.split(":")[1].split("-")[0]) if isinstance(n, str) else n
+    done = (lambda got: got is not None and got >= low) if isinstance(n, str) else \
+        (lambda got: got == n)
     deadline = time.monotonic() + SCALE_TIMEOUT_S
-    while await drafters(client) != n:
+    while not done(await drafters(client)):
         if time.monotonic() > deadline:
             raise RuntimeError(f"the gateway did not see {n} drafter(s) within "
                                f"{SCALE_TIMEOUT_S:.0f} s")

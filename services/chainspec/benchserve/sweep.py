@@ -48,12 +48,14 @@ async def run_sweep(cfg: SweepConfig, data: Dataset, compare_plain: bool,
         try:
             first = SPEC if drafters else PLAIN if drafters == 0 else "run"
             runs[first] = await _points(client, model, cfg, data, drafters is not None, t0)
-            if compare_plain:
+            if compare_plain:  # NOTE: an autoscaled stack gets its policy back after
+                restore = await stack.autoscale_spec(list(control.args)) or drafters
                 await stack.scale_drafters(client, 0, list(control.args))
                 try:
                     runs[PLAIN] = await _points(client, model, cfg, data, True, t0)
                 finally:
-                    await stack.scale_drafters(client, drafters, list(control.args))
+                    await stack.scale_drafters(client, restore, list(control.args))
+            await asyncio.sleep(cfg.idle_tail_s)  # the timeline goes on (autoscaling's drain)
         finally:
             await sampler.stop()
     return {"model": model, "chainspec": drafters is not None, "drafters": drafters,

@@ -100,9 +100,12 @@ class Controller:
                 "metrics_url": self._metrics_url()}
 
     async def set_autoscale(self, policy: dict[str, Any] | None) -> dict[str, Any]:
-        """Autoscale drafters under `policy` (AutoscalePolicy fields; the ones left out
-        keep their defaults), or stop autoscaling (None) at the current count."""
-        parsed = AutoscalePolicy.from_dict(policy) if policy is not None else None
+        """Autoscale drafters under `policy` (AutoscalePolicy fields; those left out keep
+        the policy in force, else the config's, else the defaults), or stop autoscaling
+        (None) at the current count."""
+        configured = self.config.drafter.autoscale
+        base = self.intent.autoscale or (configured.to_dict() if configured else {})
+        parsed = AutoscalePolicy.from_dict({**base, **policy}) if policy is not None else None
         if parsed is not None and self.config.drafter.local:
             raise ValueError("this stack's drafter mode is local: no drafter actors to scale")
         if parsed is not None:

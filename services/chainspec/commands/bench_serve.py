@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2e:5000")
     p.add_argument("--compare-plain", action="store_true",
                    help="rerun the sweep with drafters scaled to 0, then restore them")
+    p.add_argument("--idle-tail", type=float, default=0.0, metavar="SECONDS",
+                   help="keep recording the drafter count this long after the last point "
+                        "(autoscaling's scale-in)")
     p.add_argument("--stack-address", help="Ray address of the stack (for scaling)")
     p.add_argument("--stack-namespace", help="namespace of the stack (for scaling)")
     p.add_argument("--seed", type=int, default=0)
@@ -82,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("CHAINSPEC_API_KEY") \
         or os.environ.get("OPENAI_API_KEY")
     cfg = SweepConfig(args.base_url.rstrip("/"), points, args.num_prompts, args.model_name,
-                      api_key, SLO.parse(args.goodput), args.seed, args.timeout, args.warmup)
+                      api_key, SLO.parse(args.goodput), args.seed, args.timeout, args.warmup,
+                      args.idle_tail)
     data = _dataset(args)
     control = sweep.StackControl(tuple(
         a for flag, v in (("--address", args.stack_address),

@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
 def _autoscale(args: argparse.Namespace, low: int, high: int) -> int:
     if ROLES[args.role] != "drafter":
         raise ValueError("only drafters autoscale; give verifiers a count")
-    policy = AutoscalePolicy(min_drafters=low, max_drafters=high).to_dict()
+    AutoscalePolicy(min_drafters=low, max_drafters=high)  # the bounds alone are valid
+    policy = {"min_drafters": low, "max_drafters": high}  # other fields: the stack's
     if args.dry_run:
         print(json.dumps({"command": "scale", "role": "drafter", "autoscale": policy,
                           "address": args.address, "namespace": namespace(args)}, indent=2))
