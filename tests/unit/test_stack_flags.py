@@ -22,7 +22,8 @@ from chainspec.serving.config import ServeConfig
 EXAMPLES = {
     "model_dir": "/models/x", "num_steps": "4", "chain": None, "max_seqs": "5",
     "drafter_max_seqs": "7", "max_len": "512", "dtype": "bfloat16",
-    "kv_cache_memory": "1048576", "kv_cache_fraction": "0.5", "host": "0.0.0.0",
+    "kv_cache_memory": "1048576", "kv_cache_fraction": "0.5", "kv_block_size": "8",
+    "draft_top_k": "4", "use_graphs": None, "max_waiting": "12", "host": "0.0.0.0",
     "namespace": "ns1", "health_interval_s": "2.5", "drain_timeout_s": "9",
     "draft_deadline_s": "0.2", "pipeline_groups": "2", "draft_ahead": None,
     "drafter.mode": "local", "drafter.replicas": "3", "verifier.replicas": "2",
@@ -67,14 +68,14 @@ def test_each_flag_reaches_the_same_field_through_serve_and_up(flag, tmp_path) -
 def test_all_flags_together_over_a_file(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CHAINSPEC_AUTH_TOKEN", "tok")
     path = tmp_path / "stack.yaml"
-    path.write_text("max_waiting: 9\ndrafter: {num_cpus: 2}\nverifier: {port: 7000}\n")
+    path.write_text("health_timeout_s: 9\ndrafter: {num_cpus: 2}\nverifier: {port: 7000}\n")
     argv = ["--config", str(path), "--token-env", "CHAINSPEC_AUTH_TOKEN"]
     for flag in STACK_FLAGS:
         if flag.key not in ("kv_cache_fraction", "drafter.replicas"):  # exclusive with others
             argv += argv_of(flag)
     by_serve, by_up = both(*argv)
     assert by_serve == by_up
-    assert (by_up.max_waiting, by_up.drafter.num_cpus, by_up.verifier.port) == (9, 2, 7000)
+    assert (by_up.health_timeout_s, by_up.drafter.num_cpus, by_up.verifier.port) == (9, 2, 7000)
     assert by_up.auth_token == "tok" and by_up.drafter.local and not by_up.chain
 
 

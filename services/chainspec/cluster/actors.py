@@ -13,19 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from typing import Any
 
 import ray
 
 from chainspec.cluster.config import CONTROLLER_NAME, StackConfig
 from chainspec.cluster.plain_target import no_mtp_reason
-from chainspec.engine.drafter import DrafterConfig, DrafterEngine
-from chainspec.engine.local import DTYPES
+from chainspec.engine.factory import TimedDrafterEngine, load_drafter
 from chainspec.metrics.drafter import DrafterMetrics
 from chainspec.metrics.verifier import VerifierMetrics
 from chainspec.models.errors import CheckpointError
-from chainspec.models.loader import load_draft_model
 from chainspec.rpc.drafter_service import serve_drafter
 from chainspec.rpc.server import ServerOptions
 from chainspec.rpc.verifier_service import VerifierOptions, serve_verifier
@@ -122,22 +119,6 @@ class _ServiceActor:
                 delay = min(2 * delay, 5.0)
 
 
-class TimedDrafterEngine(DrafterEngine):
-    """A DrafterEngine that counts its rounds and their compute time (benchmarks: the
-    drafter's share of a round's draft wait; the rest is the wire)."""
-
-    updates = 0
-    update_s_total = 0.0
-
-    def update(self, updates):
-        t0 = time.perf_counter()
-        try:
-            return super().update(updates)
-        finally:
-            self.updates += 1
-            self.update_s_total += time.perf_counter() - t0
-
-
 class DrafterActor(_ServiceActor):
     role = "drafter"
 
@@ -162,11 +143,7 @@ class DrafterActor(_ServiceActor):
         reason = no_mtp_reason(opts.model_dir)
         if reason is not None:
             raise CheckpointError(f"{reason}; serve it with --drafters 0")
-        model = load_draft_model(opts.model_dir, DTYPES[opts.dtype], opts.device,
-                                 cache_len=opts.max_len)
-        return TimedDrafterEngine(model, DrafterConfig(
-            num_steps=opts.num_steps, chain=opts.chain, max_seqs=self.config.drafter_max_seqs,
-            max_len=opts.max_len), observer=metrics)
+        return load_drafter(opts, observer=metrics)
 
 
 class VerifierActor(_ServiceActor):
@@ -182,9 +159,7 @@ class VerifierActor(_ServiceActor):
 
     async def serve(self) -> Any:
         c = self.config
-        opts = VerifierOptions(model=c.local_options(self.role), max_waiting=c.max_waiting,
-                               draft_deadline_s=c.draft_deadline_s, drafter=c.drafter.mode,
-                               groups=c.pipeline_groups, draft_ahead=c.draft_ahead)
+        opts = VerifierOptions.of_stack(c)
         server = await serve_verifier(opts, self.server_options(), client=c.client_options(),
                                       metrics=VerifierMetrics(opts.name, c.num_steps),
                                       on_failure=self._engine_failed)

@@ -10,21 +10,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from chainspec.commands.model_args import add_model_args, local_options
-from chainspec.commands.server_args import (
-    add_server_args,
-    jsonable,
-    serve_until_signal,
-    server_options,
+from chainspec.commands.model_args import (
+    DRAFTER_ALIASES,
+    DRAFTER_KEYS,
+    add_model_args,
+    local_options,
 )
-from chainspec.engine.drafter import DrafterConfig, DrafterEngine
-from chainspec.engine.local import DTYPES, LocalOptions
+from chainspec.commands.server_args import add_server_args, jsonable, server_options
+from chainspec.commands.signals import serve_until_signal
+from chainspec.commands.stack_flags import flags_config
+from chainspec.engine.drafter import DrafterConfig
+from chainspec.engine.factory import drafter_config, load_drafter
+from chainspec.engine.options import LocalOptions
 from chainspec.metrics.drafter import DrafterMetrics
-from chainspec.models.loader import load_draft_model
 from chainspec.rpc.drafter_service import serve_drafter
 from chainspec.rpc.server import ServerOptions
 
@@ -47,12 +50,9 @@ class DrafterCommand:
 def add_parser(sub) -> list[str]:
     p = sub.add_parser("drafter", help="run one drafter gRPC service (no Ray)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
+    add_model_args(p, DRAFTER_KEYS, DRAFTER_ALIASES)
     p.add_argument("--model-name", default=None,
                    help="name reported by Info (default: the model directory's name)")
-    p.add_argument("--draft-top-k", type=int, default=DrafterConfig.top_k,
-                   help="largest support of sampled draft distributions")
-    p.add_argument("--eager", action="store_true", help="no CUDA graphs")
     add_server_args(p)
     p.add_argument("--dry-run", action="store_true",
                    help="validate the arguments, print the resolved config, load nothing")
@@ -61,14 +61,13 @@ def add_parser(sub) -> list[str]:
 
 def resolve(args: argparse.Namespace) -> DrafterCommand:
     """Validate the arguments into config objects (ValueError names the problem)."""
-    local = local_options(args)
-    drafter = DrafterConfig(num_steps=local.num_steps, chain=local.chain,
-                            max_seqs=local.max_seqs, max_len=local.max_len,
-                            top_k=args.draft_top_k, use_graphs=not args.eager,
-                            kv=local.kv_budget)
-    server = server_options(args)
+    config = flags_config(args)
+    # NOTE: in a stack the KV flags size the verifiers' pools; alone, they size this one
+    local = dataclasses.replace(local_options(args, "drafter"),
+                                kv_cache_memory=config.kv_cache_memory,
+                                kv_cache_fraction=config.kv_cache_fraction)
     name = args.model_name or Path(local.model_dir).resolve().name
-    return DrafterCommand(local, drafter, server, name)
+    return DrafterCommand(local, drafter_config(local), server_options(args, config), name)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,12 +75,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(json.dumps(cmd.describe(), indent=2))
         return 0
-    local = cmd.local
-    model = load_draft_model(local.model_dir, DTYPES[local.dtype], local.device,
-                             cache_len=local.max_len)
     metrics = DrafterMetrics(cmd.model_name, cmd.drafter.num_steps) \
         if cmd.server.metrics_port is not None else None
-    engine = DrafterEngine(model, cmd.drafter, observer=metrics)
+    engine = load_drafter(cmd.local, observer=metrics)
     return asyncio.run(_serve(engine, cmd, metrics))
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import threading
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 from chainspec.cluster.config import NAMESPACE
 from chainspec.commands.serve import read_api_key
 from chainspec.commands.server_args import add_token_args, read_token
+from chainspec.commands.signals import until_stopped
 from chainspec.gateway.config import GatewayConfig
 from chainspec.gateway.membership import StaticVerifiers
 from chainspec.serving.config import mask_secrets
@@ -89,14 +89,11 @@ def run(args: argparse.Namespace) -> int:
                                                         tls_key=args.tls_key,
                                                         tls_server_name=args.tls_server_name)))
     print(f"gateway serving {server.url}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not (stop.wait(0.5) or lost.is_set()):
-        pass
-    loop.run(server.stop(), timeout=30)
-    loop.close()
-    return 0
+
+    def stop(_why: str) -> None:
+        loop.run(server.stop(), timeout=30)
+        loop.close()
+    return until_stopped(stop, lost)
 
 
 def _join_stack(args: argparse.Namespace, token: str | None, on_lost):

@@ -1,41 +1,43 @@
-"""Arguments shared by commands that load a model in this process."""
+"""Arguments of commands that run an engine in this process (`generate`, `bench`,
+`drafter`, `verifier`): their rows of the stack-flag table (`commands/stack_flags.py`),
+resolved through a `StackConfig` as `serve` and `up` resolve them, plus what only a
+process has (`--device`, `--threads`)."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import dataclasses
+from collections.abc import Sequence
 
 import torch
 
-from chainspec.engine.local import DEMO_MODEL, DTYPES, LocalOptions
+from chainspec.commands.stack_flags import add_flags, flags_config
+from chainspec.engine.options import LocalOptions
+
+# the stack flags of one engine (StackConfig keys); a service command adds its own
+ENGINE_KEYS = ("model_dir", "num_steps", "chain", "max_seqs", "max_len", "dtype",
+               "kv_cache_memory", "kv_cache_fraction", "kv_block_size", "draft_top_k",
+               "use_graphs")
+DRAFTER_KEYS = (*(k for k in ENGINE_KEYS if k != "max_seqs"), "drafter_max_seqs", "host")
+VERIFIER_KEYS = (*ENGINE_KEYS, "host", "max_waiting", "draft_deadline_s", "pipeline_groups",
+                 "draft_ahead", "drafter.mode")
+# names the service commands had before the table (kept working): a lone drafter's
+# --max-seqs is its own slots (--drafter-max-seqs of a stack), --host the gRPC address
+DRAFTER_ALIASES = {"drafter_max_seqs": ("--max-seqs",), "host": ("--host",)}
+VERIFIER_ALIASES = {"host": ("--host",)}
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=DEMO_MODEL,
-                   help="Hugging Face model directory (default: the bundled demo model)")
-    p.add_argument("-k", "--num-speculative-tokens", dest="k", type=int, default=3,
-                   help="draft tokens per round (K)")
-    p.add_argument("--no-chain", dest="chain", action="store_false",
-                   help="every MTP step reads the target hidden state (non-chain mode)")
-    p.add_argument("--max-seqs", type=int, default=8, help="most sequences running at once")
-    p.add_argument("--max-len", type=int, default=1024, help="context length per sequence")
-    kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-memory", type=int, metavar="BYTES",
-                    help="paged KV cache size in bytes (default: what --max-seqs sequences "
-                         "of --max-len take)")
-    kv.add_argument("--kv-cache-fraction", type=float, metavar="F",
-                    help="paged KV cache as a share of free device memory (CUDA)")
-    p.add_argument("--kv-block-size", type=int, default=16, help="positions per KV block")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+def add_model_args(p: argparse.ArgumentParser, keys: Sequence[str] = ENGINE_KEYS,
+                   aliases: dict[str, tuple[str, ...]] | None = None) -> None:
+    add_flags(p, keys, aliases)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a CPU, models of the demo's "
                         "size run fastest single-threaded; 0 keeps torch's default)")
 
 
-def local_options(args: argparse.Namespace) -> LocalOptions:
+def local_options(args: argparse.Namespace, role: str = "verifier") -> LocalOptions:
+    """The engine options of the `role` engine this command runs, on --device."""
     if getattr(args, "threads", 0) and not getattr(args, "dry_run", False):
         torch.set_num_threads(args.threads)
-    return LocalOptions(args.model, args.k, args.chain, args.max_seqs, args.max_len,
-                        args.dtype, args.device, args.kv_cache_memory, args.kv_cache_fraction,
-                        args.kv_block_size)
+    return dataclasses.replace(flags_config(args).local_options(role), device=args.device)

@@ -20,12 +20,11 @@ import argparse
 import dataclasses
 import json
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
+from chainspec.commands.signals import until_stopped
 from chainspec.commands.stack_flags import add_stack_args, file_with_flags
 from chainspec.serving.config import ServeConfig
 
@@ -106,14 +105,16 @@ def run(args: argparse.Namespace) -> int:
     except (stack.StackError, TimeoutError, RuntimeError) as e:
         print(f"chainspec serve: {e}", file=sys.stderr)
         return 1
+    def stop(why: str) -> None:
+        progress.step(f"{why}; stopping the gateway and the stack")
+        serving.stop()
+        progress.step("stopped")
     try:
         print(usage_text(serving), flush=True)
-        why = _wait_for_stop(serving)
-        progress.step(f"{why}; stopping the gateway and the stack")
-    finally:
+    except BaseException:
         serving.stop()
-    progress.step("stopped")
-    return 0
+        raise
+    return until_stopped(stop, serving.lost)
 
 
 def usage_text(serving) -> str:
@@ -128,17 +129,3 @@ def usage_text(serving) -> str:
         f"  from another shell: chainspec status{ns} | chainspec scale drafters 2{ns} "
         f"| chainspec down{ns}",
         "  Ctrl-C stops it.\n"])
-
-
-def _wait_for_stop(serving) -> str:
-    stop, why = threading.Event(), ["stopped from elsewhere"]
-
-    def on_signal(signum, _frame) -> None:
-        why[0] = f"got {signal.Signals(signum).name}"
-        stop.set()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    while not stop.wait(0.5):
-        if serving.lost.is_set():
-            break
-    return why[0]

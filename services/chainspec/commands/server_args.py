@@ -1,16 +1,18 @@
-"""Server and client arguments shared by the service commands (`verifier`, `up`)."""
+"""Server arguments of the service commands (`drafter`, `verifier`) beyond the stack
+flags they share with `serve`/`up` (their gRPC host among them: `commands/model_args.py`),
+and the token flags every command that calls or serves the services takes."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import signal
-import sys
-from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chainspec.rpc.server import ServerOptions
+
+if TYPE_CHECKING:
+    from chainspec.cluster.config import StackConfig
 
 TOKEN_ENV = "CHAINSPEC_AUTH_TOKEN"  # read when set and neither token flag is given
 
@@ -24,7 +26,6 @@ def add_token_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default=ServerOptions.host, help="address to listen on")
     p.add_argument("--port", type=int, default=ServerOptions.port, help="0: any free port")
     p.add_argument("--max-message-bytes", type=int, default=ServerOptions.max_message_bytes)
     p.add_argument("--drain-grace", type=float, default=ServerOptions.drain_grace_s,
@@ -38,10 +39,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_token_args(p)
 
 
-def server_options(args: argparse.Namespace) -> ServerOptions:
-    return ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
+def server_options(args: argparse.Namespace, config: StackConfig) -> ServerOptions:
+    """This service's server: host and token as resolved into `config` (the stack flags'
+    `flags_config`), the rest from the flags above."""
+    return ServerOptions(host=config.host, port=args.port,
+                         max_message_bytes=args.max_message_bytes,
                          tls_cert=args.tls_cert, tls_key=args.tls_key,
-                         tls_client_ca=args.tls_client_ca, auth_token=read_token(args),
+                         tls_client_ca=args.tls_client_ca, auth_token=config.auth_token,
                          drain_grace_s=args.drain_grace,
                          metrics_port=None if args.metrics_port < 0 else args.metrics_port)
 
@@ -68,22 +72,3 @@ def jsonable(value):
     if isinstance(value, list | tuple):
         return [jsonable(v) for v in value]
     return str(value) if isinstance(value, Path) else value
-
-
-async def serve_until_signal(role: str, drain: Callable[[], Awaitable[None]],
-                             failed: asyncio.Future | None = None) -> int:
-    """Run until SIGTERM or SIGINT (exit 0) or until `failed` resolves with a reason (the
-    service can no longer serve: exit 1, so a supervisor restarts it); drain either way."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    waits = {asyncio.ensure_future(stop.wait()), *([failed] if failed is not None else [])}
-    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    reason = failed.result() if failed is not None and failed.done() else None
-    if reason is not None:
-        print(f"{role} failed: {reason}", file=sys.stderr, flush=True)
-    print(f"{role} draining", flush=True)
-    await drain()
-    print(f"{role} stopped", flush=True)
-    return 1 if reason is not None else 0

@@ -1,14 +1,19 @@
-"""The stack flags of `chainspec serve` and `chainspec up`: one table, one way to add them,
-one strict config-file reader, one way to lay the flags over the file.
+"""The stack flags: one table, one way to add them, one strict config-file reader, one way
+to lay the flags over the file.
 
 A new stack flag is one `StackFlag` row in `STACK_FLAGS` (the `StackConfig` field it
-sets, its names, its argparse options); both commands then take it, and
-`tests/unit/test_stack_flags.py` fails until it has an example value for it.
+sets, its names, its argparse options); `serve` and `up` then take it, and
+`tests/unit/test_stack_flags.py` fails until it has an example value for it. The commands
+that run one engine or service in their own process (`drafter`, `verifier`, `generate`,
+`bench`) take the rows that concern them (`add_flags` with their keys; their lists are in
+`commands/model_args.py`) and resolve them through the same `StackConfig`
+(`flags_config`), so a flag means the same, with the same default, in every command.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,9 +21,9 @@ from typing import Any
 import yaml
 
 from chainspec.cluster.autoscale import AutoscalePolicy
-from chainspec.cluster.config import ROLES
+from chainspec.cluster.config import ROLES, StackConfig
 from chainspec.commands.server_args import add_token_args, read_token
-from chainspec.engine.local import DTYPES, DrafterMode
+from chainspec.engine.options import DTYPES, DrafterMode
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,12 @@ STACK_FLAGS = (
     StackFlag("kv_cache_fraction", ("--kv-cache-fraction",),
               {"type": float, "metavar": "F",
                "help": "paged KV cache as a share of free device memory (CUDA)"}),
+    StackFlag("kv_block_size", ("--kv-block-size",),
+              {"type": int, "help": "positions per KV block (default 16)"}),
+    StackFlag("draft_top_k", ("--draft-top-k",),
+              {"type": int, "help": "support of sampled draft distributions (default 8)"}),
+    StackFlag("use_graphs", ("--eager",),
+              {"action": "store_false", "help": "no CUDA graphs (default: graphs on a GPU)"}),
     StackFlag("host", ("--grpc-host",),
               {"help": "gRPC bind address of the services; 0.0.0.0 advertises the node's IP"}),
     StackFlag("namespace", ("--namespace",), {"help": "Ray namespace of the stack "
@@ -60,6 +71,9 @@ STACK_FLAGS = (
               {"type": float, "help": "longest drain of a member, seconds"}),
     StackFlag("draft_deadline_s", ("--draft-deadline",),
               {"type": float, "help": "seconds a round waits for drafts"}),
+    StackFlag("max_waiting", ("--max-waiting",),
+              {"type": int, "help": "queued requests per verifier beyond its running "
+                                    "slots (then RESOURCE_EXHAUSTED)"}),
     StackFlag("pipeline_groups", ("--pipeline-groups",),
               {"type": int, "help": "verifier groups taking turns so drafts overlap "
                                     "verification (default 1: off)"}),
@@ -103,20 +117,36 @@ def add_stack_args(p: argparse.ArgumentParser,
     token flags. Every flag defaults to None: unset flags leave the file's value."""
     p.add_argument("--config", type=Path,
                    help="config file (YAML or JSON, schema in docs/design.md); flags override")
-    for flag in STACK_FLAGS:
+    add_flags(p, aliases=aliases)
+    add_token_args(p)
+
+
+def add_flags(p: argparse.ArgumentParser, keys: Sequence[str] | None = None,
+              aliases: dict[str, tuple[str, ...]] | None = None) -> None:
+    """The `STACK_FLAGS` rows with these keys (None: all), plus `aliases` (key -> extra
+    names), each defaulting to None (unset: the file's value, else StackConfig's)."""
+    rows = {flag.key: flag for flag in STACK_FLAGS}
+    for key in keys if keys is not None else rows:
+        flag = rows[key]
         names = (*flag.names, *(aliases or {}).get(flag.key, ()))
         options = dict(flag.options)
         if "action" not in options and "choices" not in options:
             options.setdefault("metavar", flag.names[-1].lstrip("-").replace("-", "_").upper())
         p.add_argument(*names, dest=flag.dest, default=None, **options)
-    add_token_args(p)
+
+
+def flags_config(args: argparse.Namespace) -> StackConfig:
+    """The given stack flags (and token) over StackConfig's defaults, validated: what a
+    command without a config file (`drafter`, `verifier`, `generate`, `bench`) runs."""
+    return StackConfig.from_dict(stack_overrides(args))
 
 
 def stack_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The given stack flags (and the service token) as config keys, roles as sections."""
+    """The given stack flags (and the service token) as config keys, roles as sections;
+    rows the command does not take are skipped."""
     out: dict[str, Any] = {}
     for flag in STACK_FLAGS:
-        value = getattr(args, flag.dest)
+        value = getattr(args, flag.dest, None)
         if value is None:
             continue
         role, _, key = flag.key.rpartition(".")
@@ -127,7 +157,7 @@ def stack_overrides(args: argparse.Namespace) -> dict[str, Any]:
             if not isinstance(value, int):
                 continue
         section[key] = value
-    token = read_token(args)
+    token = read_token(args) if hasattr(args, "token_file") else None
     if token:
         out["auth_token"] = token
     return out

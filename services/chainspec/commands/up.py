@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 from chainspec.cluster import stack
@@ -25,6 +24,7 @@ from chainspec.cluster.config import StackConfig
 from chainspec.cluster.controller import START_TIMEOUT_S
 from chainspec.cluster.plain_target import serve_plainly
 from chainspec.commands.server_args import jsonable
+from chainspec.commands.signals import until_stopped
 from chainspec.commands.stack_args import print_members, stack_config
 from chainspec.commands.stack_flags import add_stack_args
 
@@ -63,21 +63,15 @@ def run(args: argparse.Namespace) -> int:
     if args.detach:
         return 0
     print("stack up; Ctrl-C stops it", file=sys.stderr, flush=True)  # stdout: JSON
-    _wait_for_signal()
+    return until_stopped(lambda _why: _down(config.namespace))
+
+
+def _down(namespace: str) -> None:
     try:
-        stack.down(namespace=config.namespace)
+        stack.down(namespace=namespace)
     except stack.StackNotFound:
         pass  # stopped from elsewhere
     print("stack stopped", file=sys.stderr, flush=True)
-    return 0
-
-
-def _wait_for_signal() -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
 
 
 def _up_in_background(config: StackConfig, timeout_s: float, as_json: bool) -> int:

@@ -22,25 +22,19 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
 from chainspec.engine.async_engine import AsyncVerifier, EngineStopped, QueueFull, RequestIdInUse
 from chainspec.engine.detokenizer import IncrementalDetokenizer
+from chainspec.engine.factory import build_verifier_engine, load_draft, load_target_model
 from chainspec.engine.fingerprint import model_fingerprint
-from chainspec.engine.local import (
-    DTYPES,
-    DrafterMode,
-    LocalDrafts,
-    LocalOptions,
-    local_drafter,
-    verifier_config,
-)
+from chainspec.engine.local import LocalDrafts, local_drafter
+from chainspec.engine.options import DrafterMode, LocalOptions
 from chainspec.engine.request import FinishReason, RequestOutput, StopConditions
 from chainspec.engine.sampling import SamplingParams
-from chainspec.engine.verifier import VerifierEngine
 from chainspec.metrics.verifier import VerifierMetrics
-from chainspec.models.loader import load_draft_model, load_target
 from chainspec.models.target import TargetModel
 from chainspec.models.tokenizer import Tokenizer
 from chainspec.rpc.channel import ClientOptions
@@ -58,6 +52,9 @@ from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 from chainspec.rpc.generated.v1 import verifier_pb2_grpc as pb_grpc
 from chainspec.rpc.server import RunningServer, ServerOptions, start_server
 from chainspec.version import chainspec_version
+
+if TYPE_CHECKING:  # NOTE: only a type here; rpc/ does not import cluster/
+    from chainspec.cluster.config import StackConfig
 
 VERIFIER_SERVICE = pb.DESCRIPTOR.services_by_name["Verifier"].full_name
 ABORT_KEY = "x-chainspec-abort-key"  # Generate's initial metadata: the request's secret
@@ -221,6 +218,16 @@ class VerifierOptions:
     def name(self) -> str:
         return self.model_name or Path(self.model.model_dir).name
 
+    @classmethod
+    def of_stack(cls, config: StackConfig, **overrides) -> VerifierOptions:
+        """A verifier member of the stack `config` (the Ray actor, `chainspec verifier`);
+        `overrides`: fields a stack does not set (model_name, default_max_tokens, ...)."""
+        return cls(**{"model": config.local_options("verifier"),
+                      "max_waiting": config.max_waiting,
+                      "draft_deadline_s": config.draft_deadline_s,
+                      "drafter": config.drafter.mode, "groups": config.pipeline_groups,
+                      "draft_ahead": config.draft_ahead, **overrides})
+
 
 class VerifierServer:
     """A running verifier: its gRPC server, engine and drafter pool (or, in local mode,
@@ -298,17 +305,15 @@ async def serve_verifier(opts: VerifierOptions, server: ServerOptions,
     m = opts.model
     fingerprint = model_fingerprint(target)
     if local:
-        draft = await asyncio.to_thread(load_draft_model, m.model_dir, DTYPES[m.dtype],
-                                        m.device, cache_len=m.max_len)
-        drafts = local_drafter(draft, m)
+        drafts = local_drafter(await asyncio.to_thread(load_draft, m), m)
     else:
         match = DrafterMatch(m.num_steps, target.config.hidden_size,
                              target.config.vocab_size, fingerprint)  # never another model's
         drafts = GrpcDraftClient((), client or ClientOptions(), opts.draft_deadline_s,
                                  match=match, observer=metrics, max_seqs=m.max_seqs)
     eos = tokenizer.eos_token_ids if tokenizer is not None else ()
-    core = VerifierEngine(target, verifier_config(m, opts.groups, opts.draft_ahead), drafts, eos,
-                          tokenizer.decode if tokenizer else None)
+    core = build_verifier_engine(target, m, drafts, eos, tokenizer.decode if tokenizer else None,
+                                 opts.groups, opts.draft_ahead)
     engine = AsyncVerifier(core, opts.max_waiting)
     if metrics is not None:
         metrics.set_info(m.num_steps, m.dtype, m.chain)
@@ -342,7 +347,7 @@ async def serve_verifier(opts: VerifierOptions, server: ServerOptions,
 
 
 def _load(opts: LocalOptions) -> tuple[TargetModel, Tokenizer | None]:
-    target = load_target(opts.model_dir, DTYPES[opts.dtype], opts.device, cache_len=opts.max_len)
+    target = load_target_model(opts)
     has_tokenizer = (Path(opts.model_dir) / "tokenizer.json").is_file()
     return target, Tokenizer.from_dir(opts.model_dir) if has_tokenizer else None
 
