@@ -41,14 +41,11 @@ from typing import Any
 import ray
 
 from chainspec.cluster.actors import DrafterActor, VerifierActor
-from chainspec.cluster.autoscale import AutoscalePolicy, Decision
-from chainspec.cluster.autoscale_loop import AutoscaleLoop
 from chainspec.cluster.config import MEMBER_ROLES, ROLES, StackConfig
+from chainspec.cluster.controller_autoscale import AutoscalingMixin
 from chainspec.cluster.intent import MEMBER_NAME, Intent, IntentStore, actor_name, role_of
 from chainspec.cluster.membership import Member, MemberState
 from chainspec.cluster.plain_target import refuse_drafters
-from chainspec.metrics.controller import ControllerMetrics
-from chainspec.metrics.endpoint import MetricsEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +53,7 @@ START_TIMEOUT_S = 300.0  # longest wait for new members to load their model
 FORGET_AFTER = 10  # health timeouts after which a silent external member is dropped
 
 
-class Controller:
+class Controller(AutoscalingMixin):
     def __init__(self, config: StackConfig, stack_id: str = "") -> None:
         self.config = config
         self._members: dict[str, Member] = {}
@@ -71,13 +68,7 @@ class Controller:
         # acknowledgement) from the dead controller is always older than ours
         self.version = self.intent.epoch << 32
         self._recovered = asyncio.Event()
-        self.metrics = ControllerMetrics()
-        self._endpoint = MetricsEndpoint(self.metrics.registry, config.host,
-                                         config.controller_metrics_port) \
-            if config.controller_metrics_port is not None else None
-        self.autoscaler = AutoscaleLoop(self._member_list, self._handles.__getitem__,
-                                        config.drafter_max_seqs, config.health_timeout_s,
-                                        self._autoscaled)
+        self._init_autoscaling()
         for member_id in list(self.intent.members):
             self._adopt(member_id)
         self._save()
@@ -89,32 +80,6 @@ class Controller:
         metrics_url (None: off)."""
         return {"pid": os.getpid(), "epoch": self.intent.epoch, "version": self.version,
                 "metrics_url": self._metrics_url()}
-
-    async def autoscale_state(self) -> dict[str, Any]:
-        """The drafter autoscaling policy (None: a fixed count), its last decision, the
-        desired drafter count and the latest sample of the signals."""
-        latest = self.autoscaler.latest
-        return {"policy": self.intent.autoscale, "last_decision": self.intent.last_decision,
-                "desired": self.intent.replicas["drafter"],
-                "signals": latest.to_dict() if latest is not None else None,
-                "metrics_url": self._metrics_url()}
-
-    async def set_autoscale(self, policy: dict[str, Any] | None) -> dict[str, Any]:
-        """Autoscale drafters under `policy` (AutoscalePolicy fields; those left out keep
-        the policy in force, else the config's, else the defaults), or stop autoscaling
-        (None) at the current count."""
-        configured = self.config.drafter.autoscale
-        base = self.intent.autoscale or (configured.to_dict() if configured else {})
-        parsed = AutoscalePolicy.from_dict({**base, **policy}) if policy is not None else None
-        if parsed is not None and self.config.drafter.local:
-            raise ValueError("this stack's drafter mode is local: no drafter actors to scale")
-        if parsed is not None:
-            await asyncio.to_thread(refuse_drafters, self.config)
-        await self._recovered.wait()
-        self.intent.autoscale = parsed.to_dict() if parsed is not None else None
-        self._save()
-        self._start_autoscaler()
-        return await self.autoscale_state()
 
     async def members(self) -> list[dict[str, Any]]:
         await self._recovered.wait()
@@ -280,35 +245,6 @@ class Controller:
         # drain the least loaded first, newest on ties
         victims = sorted(active, key=lambda m: (m.load, -_index(m)))[:max(0, len(active) - n)]
         return started, [self._start_task(self._drain(m)) for m in victims]
-
-    # -- autoscaling --------------------------------------------------------------------
-    def _start_autoscaler(self) -> None:
-        policy = self.intent.autoscale
-        last = self.intent.last_decision
-        self.autoscaler.restart(AutoscalePolicy(**policy) if policy is not None else None,
-                                Decision.from_dict(last) if last is not None else None,
-                                lambda: self.intent.replicas["drafter"])
-        self.metrics.policy(AutoscalePolicy(**policy) if policy is not None else None)
-
-    def _autoscaled(self, decision: Decision) -> None:
-        """Store the decision and the new count, then start or drain drafters."""
-        if self.intent.stopped or self.intent.autoscale is None:
-            return
-        self.intent.replicas["drafter"] = decision.after
-        self.intent.last_decision = decision.to_dict()
-        self._save()  # NOTE: before acting, like every change of the intent
-        self.metrics.decided(decision)
-        log.info("drafter autoscale %s %d -> %d: %s", decision.direction, decision.before,
-                 decision.after, decision.reason)
-        self._reconcile("drafter")
-
-    def _member_list(self) -> list[Member]:
-        return list(self._members.values())
-
-    def _metrics_url(self) -> str | None:
-        if self._endpoint is None:
-            return None
-        return self._endpoint.url(ray.util.get_node_ip_address())
 
     # -- internals ----------------------------------------------------------------------
     def _spawn(self, role: str) -> Member:

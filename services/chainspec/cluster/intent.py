@@ -6,7 +6,8 @@ The controller writes its intent BEFORE it acts: desired replicas per role (scal
 included), the member-id counters, every member it spawned and has not yet seen gone,
 which of those are draining, and the drafter autoscaling policy with its last decision.
 Every action is redone from it: a restarted controller re-adopts the members it finds by
-name, drains the draining ones again and spawns only what is missing. One JSON value per stack namespace, written whole (a put is atomic).
+name, drains the draining ones again and spawns only what is missing. One JSON value per
+stack namespace, written whole (a put is atomic).
 """
 
 from __future__ import annotations
