@@ -11,8 +11,11 @@ shared CPU cores are noise. The draft-wait rule is tested on a fake clock
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -184,3 +187,29 @@ def test_load_step_scales_out_restart_keeps_policy_idle_drains_back(up, prompts,
     png = plots.drafters_png({"drafters_over_time": samples, "runs": {"spec": [step]}},
                              tmp_path / "drafters.png")
     assert png.stat().st_size > 0
+
+
+def status_json() -> dict:
+    out = subprocess.run([sys.executable, "-m", "chainspec.cli", "status", "--json",
+                          "--namespace", NS], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_new_bounds_apply_at_once_and_a_fixed_count_ends_autoscaling(up) -> None:
+    """`scale drafters auto:2-2` moves the count to the new bounds (kind `bounds`), keeping
+    the stack's other policy fields; `scale drafters 1` turns autoscaling off; `status
+    --json` from another process shows the policy and the last decision."""
+    state = stack.set_autoscale({"min_drafters": 2, "max_drafters": 2}, namespace=NS)
+    assert state["policy"] == {**POLICY.to_dict(), "min_drafters": 2, "max_drafters": 2}
+    wait_for(lambda: len(drafters()) == 2, SCALE_OUT_S, "the drafters at the new minimum")
+    shown = status_json()["autoscale"]
+    assert shown["policy"]["min_drafters"] == 2 and shown["desired"] == 2
+    assert (shown["last_decision"]["kind"], shown["last_decision"]["after"]) == ("bounds", 2)
+    stack.scale("drafter", 1, namespace=NS)
+    assert autoscale()["policy"] is None and len(drafters(None)) == 1
+    time.sleep(4 * POLICY.interval_s)  # no autoscaler acts any more
+    assert status_json()["autoscale"]["policy"] is None and len(drafters(None)) == 1
+    with pytest.raises(stack.StackError, match="min_drafters <= max_drafters"):
+        stack.set_autoscale({"min_drafters": 3, "max_drafters": 2}, namespace=NS)
