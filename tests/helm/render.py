@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import yaml
 
+from chainspec.cluster.config import StackConfig
 from tests.tools import CHART, helm
 
 RELEASE, NAMESPACE = "cs", "serving"
@@ -89,6 +90,12 @@ def pod_templates(docs) -> Iterator[PodTemplate]:
             yield PodTemplate(f"{name} head", d["spec"]["headGroupSpec"]["template"], True)
             for g in d["spec"].get("workerGroupSpecs", []):
                 yield PodTemplate(f"{name} {g['groupName']}", g["template"], True)
+
+
+def stack_config(docs) -> StackConfig:
+    """The stack config `chainspec up --config` reads from the rendered ConfigMap."""
+    cm = next(d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-stack"))
+    return StackConfig.from_dict(yaml.safe_load(cm["data"]["stack.yaml"]))
 
 
 def worker_group(docs, role: str) -> dict:

@@ -5,19 +5,11 @@ start no drafter actor; `remote` (the default) keeps the drafter group. Values t
 cannot mean anything are refused by name."""
 
 import pytest
-import yaml
 
-from chainspec.cluster.config import StackConfig
-from tests.helm.render import HelmError, of_kind, one, template
+from tests.helm.render import HelmError, of_kind, one, stack_config, template
 
 LOCAL = ("--set", "drafter.mode=local", "--set", "stack.pipelineGroups=2",
          "--set", "monitoring.podMonitors.enabled=true")
-
-
-def stack_config(docs) -> StackConfig:
-    """The stack config `chainspec up --config` reads from the rendered ConfigMap."""
-    cm = next(d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-stack"))
-    return StackConfig.from_dict(yaml.safe_load(cm["data"]["stack.yaml"]))
 
 
 def components(docs, kind: str) -> set[str]:
@@ -33,7 +25,7 @@ def test_local_renders_no_drafter_and_a_stack_without_drafter_actors():
     groups = one(docs, "RayCluster")["spec"]["workerGroupSpecs"]
     assert [g["groupName"] for g in groups] == ["verifier"]
     assert "drafter" not in components(docs, "PodDisruptionBudget")
-    assert components(docs, "PodMonitor") == {"verifier"}
+    assert components(docs, "PodMonitor") == {"verifier", "controller"}
     assert "scale drafters" not in gateway_script(docs)
     config = stack_config(docs)
     assert config.drafter.local and config.drafter.replicas == 0  # `up` spawns no drafter
@@ -44,7 +36,7 @@ def test_remote_is_the_default_and_keeps_the_drafter_group():
     docs = template("--set", "monitoring.podMonitors.enabled=true")
     groups = one(docs, "RayCluster")["spec"]["workerGroupSpecs"]
     assert sorted(g["groupName"] for g in groups) == ["drafter", "verifier"]
-    assert components(docs, "PodMonitor") == {"drafter", "verifier"}
+    assert components(docs, "PodMonitor") == {"drafter", "verifier", "controller"}
     assert "scale drafters 4" in gateway_script(docs)  # maxReplicas > minReplicas
     config = stack_config(docs)
     assert (str(config.drafter.mode), config.drafter.replicas) == ("remote", 0)  # minReplicas

@@ -123,7 +123,7 @@ def _check_group_resources(group_name: str, g: dict, autoscaling: bool) -> None:
 def test_every_monitoring_object_kind_is_checked():
     kinds = {d["kind"] for d in render("autoscaling-mtls-monitoring") if is_custom(d)}
     assert kinds == {"RayCluster", "PodMonitor", "ServiceMonitor", "PrometheusRule"}
-    assert len(of_kind(render("autoscaling-mtls-monitoring"), "PodMonitor")) == 2
+    assert len(of_kind(render("autoscaling-mtls-monitoring"), "PodMonitor")) == 3
 
 
 def test_monitors_label_targets_like_http_sd_discovery():
@@ -131,7 +131,7 @@ def test_monitors_label_targets_like_http_sd_discovery():
     monitors must attach the same labels the gateway's http_sd endpoint does."""
     docs = render("autoscaling-mtls-monitoring")
     monitors = of_kind(docs, "PodMonitor") + of_kind(docs, "ServiceMonitor")
-    assert len(monitors) == 3
+    assert len(monitors) == 4  # drafter, verifier, controller; the gateway
     for m in monitors:
         key = "podMetricsEndpoints" if m["kind"] == "PodMonitor" else "endpoints"
         for ep in m["spec"][key]:

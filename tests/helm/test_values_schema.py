@@ -30,12 +30,15 @@ def test_schema_is_draft_07_and_closed_at_the_top():
 
 def test_roles_share_one_block():
     """One shape for both roles, but for the drafter's `mode` (where drafting runs; the
-    template refuses `verifier.mode`, tests/helm/test_drafter_mode.py)."""
+    template refuses `verifier.mode`, tests/helm/test_drafter_mode.py) and `autoscale`
+    (the controller's drafter autoscaler; the verifier's schema refuses it)."""
     s, values = schema(), yaml.safe_load((CHART / "values.yaml").read_text())
-    assert s["properties"]["drafter"] == s["properties"]["verifier"] == \
-        {"$ref": "#/definitions/role"}
+    role = {"$ref": "#/definitions/role"}
+    assert s["properties"]["drafter"] == role
+    verifier = s["properties"]["verifier"]["allOf"]
+    assert verifier[0] == role and verifier[1]["properties"] == {"autoscale": False}
     assert s["definitions"]["role"]["additionalProperties"] is False
-    drafter = {k: v for k, v in values["drafter"].items() if k != "mode"}
+    drafter = {k: v for k, v in values["drafter"].items() if k not in ("mode", "autoscale")}
     assert _shape(drafter) == _shape(values["verifier"])
 
 

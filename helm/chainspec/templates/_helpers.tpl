@@ -180,6 +180,43 @@ true
 {{- end -}}
 {{- end -}}
 
+{{/* Whether the controller autoscales the drafter actors (drafter.autoscale.enabled).
+Refuses it where it cannot work: with no drafter actors (mode local), or without the Ray
+autoscaler, which adds the pod each new drafter actor waits for and removes the idle pod
+of a drained one. */}}
+{{- define "chainspec.drafterAutoscale" -}}
+{{- $d := .Values.drafter -}}
+{{- $a := $d.autoscale | default dict -}}
+{{- if $a.enabled -}}
+{{- if eq ($d.mode | default "remote") "local" -}}
+{{- fail "drafter.autoscale.enabled needs drafter.mode remote: with local each verifier drafts in its own process and there are no drafter actors to scale" -}}
+{{- end -}}
+{{- if not $d.autoscaling -}}
+{{- fail "drafter.autoscale.enabled needs drafter.autoscaling: true (the Ray autoscaler adds a drafter pod for each drafter actor the controller starts and removes idle ones); set drafter.autoscaling=true" -}}
+{{- end -}}
+{{- if lt (float64 $a.draftWaitHighSeconds) (float64 $a.draftWaitLowSeconds) -}}
+{{- fail "drafter.autoscale: need draftWaitLowSeconds <= draftWaitHighSeconds" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* A number as PyYAML reads it: never in exponent form (YAML 1.1 reads 5e-05 as a
+string), e.g. a threshold in seconds for the stack config. */}}
+{{- define "chainspec.number" -}}
+{{- $text := toString . -}}
+{{- if contains "e" $text -}}{{ printf "%f" (float64 .) }}{{- else -}}{{ $text }}{{- end -}}
+{{- end -}}
+
+{{/* The head's ports, each once: KubeRay, Ray and the controller each bind their own. */}}
+{{- define "chainspec.headPorts" -}}
+{{- $p := .Values.head.ports -}}
+{{- $all := list (int $p.gcs) (int $p.dashboard) (int $p.client) (int $p.metrics) (int $p.controllerMetrics) -}}
+{{- if ne (len ($all | uniq)) (len $all) -}}
+{{- fail (printf "head.ports: every port must differ, got %s" (toJson $p)) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The roles with worker pods: verifier, and drafter unless drafting is local. */}}
 {{- define "chainspec.podRoles" -}}
 {{- if include "chainspec.drafterLocal" . -}}verifier{{- else -}}verifier drafter{{- end -}}
