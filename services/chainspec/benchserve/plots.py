@@ -112,6 +112,11 @@ def drafters(plt, report: dict[str, Any], path: Path) -> Path:
         color, _ = STYLES.get(mode, STYLES["run"])
         for p in points:
             ax.axvspan(p["t_start_s"], p["t_end_s"], color=color, alpha=0.15, lw=0)
+            ax.axvline(p["t_start_s"], color=color, lw=0.6, alpha=0.6)
+            label = p.get("load", {}).get("label")
+            if label:
+                ax.text(p["t_start_s"], max(ns) + 0.25, f" {label}", fontsize=7,
+                        color=color, va="center")
     ax.set_xlabel("time (s); shaded: load points (blue spec, orange plain)")
     ax.set_ylabel("drafters")
     ax.set_ylim(-0.1, max(ns) + 0.5)

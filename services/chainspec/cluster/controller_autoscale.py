@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 class AutoscalingMixin:
     def _init_autoscaling(self) -> None:
         config = self.config
+        _log_decisions()
         self.metrics = ControllerMetrics()
         self._endpoint = MetricsEndpoint(self.metrics.registry, config.host,
                                          config.controller_metrics_port) \
@@ -85,3 +86,16 @@ class AutoscalingMixin:
         if self._endpoint is None:
             return None
         return self._endpoint.url(ray.util.get_node_ip_address())
+
+
+def _log_decisions() -> None:
+    """Decisions are INFO lines on the controller's stderr (Ray keeps it in the worker's
+    log file and, with log_to_driver, shows it in the driver); a Ray worker's root logger
+    would drop INFO."""
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: "
+                                               "%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
