@@ -48,6 +48,9 @@ def test_example_policy_reaches_the_stack_config():
         up_window_s=5, down_window_s=120, cooldown_s=10, interval_s=1)
     assert (group["minReplicas"], group["maxReplicas"]) == (1, 8)
     assert config.drafter.replicas == group["minReplicas"]  # the starting count
+    # a drafter actor waiting for its new pod is not declared dead before `up` gives up
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert config.start_timeout_s == values["stack"]["startTimeoutSeconds"]
 
 
 @pytest.mark.parametrize("low, high", [(0, 3), (2, 6), (5, 5)])

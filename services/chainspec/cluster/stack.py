@@ -35,6 +35,7 @@ from chainspec.cluster.intent import IntentStore, actor_name
 from chainspec.cluster.plain_target import serve_plainly
 
 log = logging.getLogger(__name__)
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's marker resource of the head node
 STATE_ENV = "CHAINSPEC_STATE_DIR"
 PROBE_TIMEOUT_S = 2.0  # asking a Ray address whether a cluster is there, before joining
 GCS_PROBE_METHOD = "/ray.rpc.NodeInfoGcsService/GetClusterId"
@@ -111,9 +112,12 @@ def up(config: StackConfig, address: str | None = None,
     if _find_controller(config.namespace) is not None:
         raise StackExists(f"a chainspec stack is already running in namespace "
                           f"{config.namespace!r}; use `chainspec scale` or `chainspec down`")
+    # NOTE: on the head node when Ray says which it is (its metrics port is the head
+    # pod's on Kubernetes, and the head outlives worker pods the autoscaler removes)
+    head = {HEAD_RESOURCE: 0.001} if HEAD_RESOURCE in ray.cluster_resources() else {}
     controller = ray.remote(Controller).options(
         name=CONTROLLER_NAME, namespace=config.namespace, lifetime="detached",
-        max_restarts=-1, num_cpus=0).remote(config, uuid.uuid4().hex)
+        max_restarts=-1, num_cpus=0, resources=head).remote(config, uuid.uuid4().hex)
     try:
         members = ray.get(controller.wait_ready.remote(timeout_s))
     except ray.exceptions.RayTaskError as e:  # a member failed to start, or timed out
