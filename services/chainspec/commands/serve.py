@@ -105,6 +105,12 @@ def run(args: argparse.Namespace) -> int:
     except (stack.StackError, TimeoutError, RuntimeError) as e:
         print(f"chainspec serve: {e}", file=sys.stderr)
         return 1
+    return _serve_until_stopped(serving, progress)
+
+
+def _serve_until_stopped(serving, progress) -> int:
+    """Until SIGINT/SIGTERM or the stack vanishing; then the gateway and the stack stop
+    (whatever happens, once started)."""
     def stop(why: str) -> None:
         progress.step(f"{why}; stopping the gateway and the stack")
         serving.stop()

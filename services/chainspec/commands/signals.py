@@ -58,7 +58,7 @@ class StopSignal:
             if lost is not None and lost.is_set():
                 self.stop(LOST)
                 break
-            time.sleep(POLL_S)  # NOTE: a signal cuts the sleep short (PEP 475)
+            time.sleep(POLL_S)  # NOTE: a handler runs at once; the loop sees it within POLL_S
         return self.reason
 
     async def wait_async(self) -> str:
