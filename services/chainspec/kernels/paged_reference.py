@@ -3,9 +3,10 @@
 Sequences of similar length are batched (`_length_groups`); each batch gathers its
 blocks up to its longest sequence and attends in fp32 with a causal-by-position mask, so
 the cost follows each sequence's own length (a long sequence does not make short ones
-read its keys). The host work (grouping, gather indices, masks) depends only on the
-step's batch description, so a `ReferencePlan` is made once per step and reused by
-every layer. NOTE: making a plan syncs (CPU path only).
+read its keys). Past SDPA_MAX_KEYS keys only the columns that some row may not see
+(a verify window's own last keys) are masked. The host work (grouping, gather indices,
+masks, row spans) depends only on the step's batch description, so a `ReferencePlan` is
+made once per step and reused by every layer. NOTE: making a plan syncs (CPU path only).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 SDPA_MAX_KEYS = 512  # attention over at most this many keys goes through SDPA
 
+
 @dataclass(frozen=True)
 class _Group:
     """One batch of sequences: R query rows each (padding rows sit at position 0)."""
@@ -25,12 +27,16 @@ class _Group:
     length: int  # L: keys gathered per sequence (the longest's)
     rows: int  # R
     hidden: torch.Tensor | None  # [G, R, L] bool: keys a row may not see (None: sees all)
-    put: tuple[torch.Tensor, torch.Tensor] | None  # (packed rows, group rows); None: all
+    seen: int  # keys 0..seen-1 are seen by every row (only later ones need the mask)
+    tail: torch.Tensor | None  # [G, 1, 1, R, L - seen] bool: `hidden` past `seen`
+    span: tuple[int, int] | None  # packed rows [a, b) in group order, no padding
+    put: tuple[torch.Tensor, torch.Tensor] | None  # (packed rows, group rows) if not span
 
 
 @dataclass(frozen=True)
 class ReferencePlan:
     groups: tuple[_Group, ...]
+    tiles: bool  # the groups' spans, in this order, are rows 0..T-1 (no scatter, no zeros)
 
 
 def reference_plan(block_tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor,
@@ -42,25 +48,35 @@ def reference_plan(block_tables: torch.Tensor, row_seq: torch.Tensor, positions:
         if s >= 0:
             by_seq.setdefault(s, []).append(t)
     length = {s: max(pos[t] for t in rows) + 1 for s, rows in by_seq.items()}
-    groups = []
-    for group in _length_groups(sorted(by_seq, key=length.get), length):
-        r = max(len(by_seq[s]) for s in group)
-        src = [t for s in group for t in by_seq[s]]  # packed rows, group order
-        dst = [j * r + i for j, s in enumerate(group) for i in range(len(by_seq[s]))]
-        p_g = [0] * (len(group) * r)  # padding rows see key 0 only
-        for i, t in zip(dst, src, strict=True):
-            p_g[i] = pos[t]
-        lengths = [length[s] for s in group]
-        device = positions.device
-        hidden = None if min(p_g) + 1 >= max(lengths) else torch.arange(
-            max(lengths), device=device) > torch.tensor(p_g, device=device).view(
-            len(group), r, 1)
-        whole = src == dst and len(src) == len(seqs) == len(group) * r  # no padding
-        put = None if whole else (torch.tensor(src, device=device),
-                                  torch.tensor(dst, device=device))
-        groups.append(_Group(_blocks(block_tables[group], lengths, block_size),
-                             max(lengths), r, hidden, put))
-    return ReferencePlan(tuple(groups))
+    groups = [_group(block_tables, [by_seq[s] for s in group], pos,
+                     [length[s] for s in group], group, block_size)
+              for group in _length_groups(sorted(by_seq, key=length.get), length)]
+    spans = [g.span for g in groups]
+    if None not in spans:
+        groups.sort(key=lambda g: g.span[0])
+    tiles = bool(groups) and None not in spans and sum(b - a for a, b in spans) == len(seqs)
+    return ReferencePlan(tuple(groups), tiles)
+
+
+def _group(block_tables: torch.Tensor, rows: list[list[int]], pos: list[int],
+           lengths: list[int], seqs: list[int], block_size: int) -> _Group:
+    """One batch's plan: `rows[j]` are sequence `seqs[j]`'s packed rows."""
+    r, device = max(len(x) for x in rows), block_tables.device
+    src = [t for x in rows for t in x]  # packed rows, group order
+    dst = [j * r + i for j, x in enumerate(rows) for i in range(len(x))]
+    p_g = [0] * (len(rows) * r)  # padding rows see key 0 only
+    for i, t in zip(dst, src, strict=True):
+        p_g[i] = pos[t]
+    hidden = None if min(p_g) + 1 >= max(lengths) else torch.arange(
+        max(lengths), device=device) > torch.tensor(p_g, device=device).view(len(rows), r, 1)
+    dense = src == list(range(src[0], src[0] + len(src))) and len(src) == len(p_g)
+    span = (src[0], src[0] + len(src)) if dense else None
+    put = None if dense else (torch.tensor(src, device=device),
+                              torch.tensor(dst, device=device))
+    blocks = _blocks(block_tables[seqs], lengths, block_size)
+    seen = min(p_g) + 1
+    tail = None if hidden is None else hidden[:, None, None, :, seen:]
+    return _Group(blocks, max(lengths), r, hidden, seen, tail, span, put)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -69,17 +85,28 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               plan: ReferencePlan | None = None) -> torch.Tensor:
     """`paged_attention` in torch; `plan` (default: made here) from `reference_plan`."""
     plan = plan or reference_plan(block_tables, row_seq, positions, k_cache.shape[1])
-    out = None  # [T, Hq, D], made when a group does not cover every row
-    for g in plan.groups:
-        n = g.blocks.shape[0]
-        keys, values = (_gather(c, g.blocks, g.length) for c in (k_cache, v_cache))
-        q_g = q if g.put is None else _scatter(q, g.put, n * g.rows)
-        o = _attend(q_g.view(n, g.rows, *q.shape[1:]), keys, values, g.hidden, scale)
-        if g.put is None:  # the group is every row, in order
-            return o.flatten(0, 1).to(q.dtype)
-        out = torch.zeros_like(q) if out is None else out
-        out[g.put[0]] = o.flatten(0, 1)[g.put[1]].to(q.dtype)
-    return torch.zeros_like(q) if out is None else out
+    outs = [_group_attention(q, k_cache, v_cache, g, scale) for g in plan.groups]
+    if plan.tiles:  # the groups' spans in row order: no scatter, no zeros
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(q.dtype)
+    out = torch.zeros_like(q)  # [T, Hq, D]
+    for g, o in zip(plan.groups, outs, strict=True):
+        if g.span:
+            out[g.span[0]:g.span[1]] = o
+        else:
+            out[g.put[0]] = o[g.put[1]].to(q.dtype)
+    return out
+
+
+def _group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Group,
+                     scale: float) -> torch.Tensor:
+    """One group's rows `[G * R, Hq, D]` (fp32; group order, padding rows included)."""
+    n = g.blocks.shape[0]
+    q_g = q[g.span[0]:g.span[1]] if g.span else _scatter(q, g.put, n * g.rows)
+    q_g = q_g.view(n, g.rows, *q.shape[1:])  # [G, R, Hq, D]
+    if g.length > SDPA_MAX_KEYS:
+        return _attend_long(q_g, k_cache, v_cache, g, scale).flatten(0, 1)
+    keys, values = (_gather(c, g) for c in (k_cache, v_cache))  # [G, L, Hkv, D]
+    return _attend_short(q_g, keys, values, g.hidden, scale).flatten(0, 1)
 
 
 def _scatter(q: torch.Tensor, put: tuple[torch.Tensor, torch.Tensor], size: int
@@ -116,31 +143,40 @@ def _blocks(tables: torch.Tensor, lengths: list[int], block_size: int) -> torch.
     return blocks
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """`[S, length, Hkv, D]`: the positions of each sequence's blocks."""
-    rows = cache.index_select(0, blocks.flatten())  # [S * nb, block_size, Hkv, D]
-    return rows.view(blocks.shape[0], -1, *cache.shape[2:])[:, :length]
+def _gather(cache: torch.Tensor, g: _Group) -> torch.Tensor:
+    """`[S, L, Hkv, D]`: the positions of each sequence's blocks."""
+    rows = cache.index_select(0, g.blocks.flatten())  # [S * nb, block_size, Hkv, D]
+    return rows.view(g.blocks.shape[0], -1, *cache.shape[2:])[:, :g.length]
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            hidden: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [S, R, Hq, D] over keys/values [S, L, Hkv, D] in fp32, GQA groups folded into
-    rows (no repeated keys) -> [S, R, Hq, D]. NOTE: past SDPA_MAX_KEYS keys, plain
-    matmuls, not CPU SDPA: with a mask and few rows (decode, verify) SDPA's CPU path
-    costs several times more there and varies with L."""
+def _attend_short(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  hidden: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q [S, R, Hq, D] over keys/values [S, L, Hkv, D] in fp32 -> [S, R, Hq, D], through
+    SDPA (its fixed cost is the smaller one up to SDPA_MAX_KEYS keys)."""
+    mask = None if hidden is None else ~hidden[:, None]  # [S, 1, R, L]
+    o = F.scaled_dot_product_attention(
+        q.float().transpose(1, 2), keys.float().transpose(1, 2),
+        values.float().transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(1, 2)  # [S, R, Hq, D]
+
+
+def _attend_long(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Group,
+                 scale: float) -> torch.Tensor:
+    """q [S, R, Hq, D] over the group's keys in fp32 -> [S, R, Hq, D], as two batched
+    matmuls with GQA groups folded into rows (no repeated keys); only the columns past
+    `g.seen` are masked (every row sees the earlier ones). NOTE: not CPU SDPA: with a mask
+    and few rows (decode, verify) it costs several times more here and varies with L."""
     s, r, hq, d = q.shape
-    if keys.shape[1] <= SDPA_MAX_KEYS:  # short: SDPA's fixed cost is the smaller one
-        mask = None if hidden is None else ~hidden[:, None]  # [S, 1, R, L]
-        o = F.scaled_dot_product_attention(
-            q.float().transpose(1, 2), keys.float().transpose(1, 2),
-            values.float().transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.transpose(1, 2)  # [S, R, Hq, D]
-    hkv = keys.shape[2]
-    g = hq // hkv  # query head h reads kv head h // g
-    qg = q.float().view(s, r, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(s, hkv, g * r, d)
-    scores = torch.matmul(qg, keys.float().permute(0, 2, 3, 1)) * scale  # [S, Hkv, G*R, L]
-    if hidden is not None:
+    hkv = k_cache.shape[2]
+    gqa = hq // hkv  # query head h reads kv head h // gqa
+    qg = (q.float() * scale).view(s, r, hkv, gqa, d).permute(0, 2, 3, 1, 4).reshape(
+        s, hkv, gqa * r, d)  # [S, Hkv, gqa * R, D]
+    keys = _gather(k_cache, g).float().permute(0, 2, 3, 1)  # [S, Hkv, D, L]
+    scores = torch.matmul(qg, keys)  # [S, Hkv, gqa * R, L]
+    if g.tail is not None:
         # NOTE: fill, not add: masked keys may be stale blocks, never let them reach the sum
-        scores.masked_fill_(hidden.repeat(1, g, 1).unsqueeze(1), float("-inf"))
-    o = torch.matmul(scores.softmax(-1), values.float().transpose(1, 2))  # [S, Hkv, G*R, D]
-    return o.view(s, hkv, g, r, d).permute(0, 3, 1, 2, 4).reshape(s, r, hq, d)
+        scores.view(s, hkv, gqa, r, -1)[..., g.seen:].masked_fill_(g.tail, float("-inf"))
+    probs = scores.softmax(-1)
+    values = _gather(v_cache, g).float().transpose(1, 2)  # [S, Hkv, L, D]
+    o = torch.matmul(probs, values)  # [S, Hkv, gqa * R, D]
+    return o.view(s, hkv, gqa, r, d).permute(0, 3, 1, 2, 4).reshape(s, r, hq, d)
