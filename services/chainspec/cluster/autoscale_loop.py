@@ -2,7 +2,7 @@
 of `cluster/autoscale.py`, and hands each decision to the controller, which stores it in
 its intent (GCS KV) before acting, then starts or drains drafters through its reconcile.
 
-Signals, each interval: drafters serving / in flight (starting, draining, dead) from the
+Signals, each interval: drafters serving / in flight (starting, draining) from the
 controller's membership; running sequences and the cumulative draft wait (seconds and
 rounds) from each ready verifier's `stats`, turned into the mean wait per round since the
 previous sample. A verifier that does not answer in time is left out of that sample.
@@ -21,6 +21,9 @@ from chainspec.cluster.autoscale import AutoscalePolicy, Autoscaler, Decision, S
 from chainspec.cluster.membership import Member, MemberState
 
 log = logging.getLogger(__name__)
+# a change not finished yet; a DEAD drafter is neither serving nor in flight: its load moves
+# to the others, and if Ray never brings it back, autoscaling must not wait for it forever
+IN_FLIGHT = (MemberState.STARTING, MemberState.DRAINING)
 
 
 class AutoscaleLoop:
@@ -77,7 +80,7 @@ class AutoscaleLoop:
             self._waits[member.member_id] = total
         return Signals(
             drafters=sum(m.state is MemberState.READY for m in drafters),
-            in_flight=sum(m.state is not MemberState.READY for m in drafters),
+            in_flight=sum(m.state in IN_FLIGHT for m in drafters),
             sequences=sequences, capacity=self.capacity,
             draft_wait_s=wait_s / rounds if rounds else None)
 
