@@ -153,6 +153,11 @@ def test_drafters_flag_takes_a_count_or_a_range_and_lays_over_the_file():
     fixed = StackConfig.from_dict(merge(file, _overrides(argparse.Namespace(
         stack_drafter_replicas=2))))
     assert fixed.drafter.autoscale is None and fixed.drafter.replicas == 2
+    # a file's count outside the flag's range: the flag's range starts at its minimum
+    counted = {"drafter": {"replicas": 2}}
+    ranged = StackConfig.from_dict(merge(counted, _overrides(argparse.Namespace(
+        stack_drafter_replicas=(3, 6)))))
+    assert (ranged.drafter.replicas, ranged.drafter.autoscale.spec) == (3, "auto:3-6")
 
 
 def _overrides(partial: argparse.Namespace) -> dict:
@@ -163,3 +168,29 @@ def _overrides(partial: argparse.Namespace) -> dict:
     values.update(vars(partial))
     values.update(token_file=None, token_env=None)
     return stack_overrides(argparse.Namespace(**values))
+
+
+def test_samples_taken_while_a_change_is_in_flight_do_not_count():
+    """1 -> 2 on draft wait; the new drafter takes 30 s to serve while the wait stays
+    high: the next step waits a whole window after it serves, not one sample."""
+    scaler = Autoscaler(POLICY)
+    assert [(d.before, d.after) for d in run(scaler, [sig(1, wait=0.05)] * 3, 1)] == [(1, 2)]
+    for t in range(3, 33):
+        assert scaler.observe(float(t), sig(1, wait=0.05, in_flight=1), 2) is None
+    assert scaler.observe(33.0, sig(1, drafters=2, wait=0.05), 2) is None  # serving now
+    d = scaler.observe(34.0, sig(1, drafters=2, wait=0.05), 2)
+    # a whole up window (2 s) after the last in-flight sample, on settled samples only
+    assert (d.before, d.after, d.time) == (2, 3, 34.0)
+
+
+def test_windows_follow_the_monotonic_clock_not_the_wall_clock():
+    scaler = Autoscaler(POLICY)
+    # the wall clock jumps an hour ahead between two samples: still one sample, no window
+    assert scaler.observe(0.0, sig(12), 1, wall=1000.0) is None
+    assert scaler.observe(1.0, sig(12), 1, wall=4600.0) is None
+    d = scaler.observe(2.0, sig(12), 1, wall=4601.0)
+    assert (d.after, d.time) == (3, 4601.0)  # decisions carry wall time (for a restart)
+    # a stored decision "from the future" (the wall clock went back): no endless cooldown
+    later = Autoscaler(POLICY, last=d)
+    decisions = run(later, [sig(0, drafters=3)] * 7, 3, start=0.0)
+    assert [(x.before, x.after, x.time) for x in decisions] == [(3, 1, 5.0)]

@@ -15,9 +15,9 @@ The rule, each interval:
 - **hysteresis** (the rule of Kubernetes' HPA stabilization windows): scale out only when
   every recommendation of the last `up_window_s` is above the current count, to the lowest
   of them; scale in only when every one of the last `down_window_s` is below it, to the
-  highest. Nothing while a change is still in flight (drafters starting or draining), nor
-  within `cooldown_s` of the last decision, which is wall-clock so that it survives a
-  controller restart along with the decision itself.
+  highest. While a change is in flight (drafters starting or draining) nothing is decided
+  and the windows start again once it settled; nothing within `cooldown_s` of the last
+  decision, whose wall time is stored so that the cooldown survives a controller restart.
 """
 
 from __future__ import annotations
@@ -151,36 +151,55 @@ def recommend(policy: AutoscalePolicy, s: Signals, current: int) -> tuple[int, s
 
 class Autoscaler:
     """The decision rule over time (module docstring). One per controller incarnation;
-    `last` is the decision a previous incarnation stored, for its cooldown."""
+    `last` is the decision a previous incarnation stored, for its cooldown.
+
+    Two clocks: `now` (monotonic) runs the windows and this incarnation's cooldown, so a
+    stepped wall clock cannot fake a window; `wall` (time.time()) stamps decisions and
+    turns a stored decision into the cooldown left (none if the wall clock went back)."""
 
     def __init__(self, policy: AutoscalePolicy, last: Decision | None = None) -> None:
         self.policy, self.last = policy, last
         self._recs: deque[tuple[float, int, str, str]] = deque()  # (time, n, kind, reason)
-        self._since: float | None = None  # first sample of this rule (windows need history)
+        self._since: float | None = None  # start of the current watch (windows need it)
+        self._quiet_until: float | None = None  # monotonic end of the cooldown
 
-    def observe(self, now: float, signals: Signals, current: int) -> Decision | None:
+    def observe(self, now: float, signals: Signals, current: int,
+                wall: float | None = None) -> Decision | None:
         """Record one sample; a Decision when the desired count should change now."""
-        p = self.policy
+        p, wall = self.policy, now if wall is None else wall
         if self._since is None:
             self._since = now
+            elapsed = wall - self.last.time if self.last is not None else p.cooldown_s
+            self._quiet_until = now + max(0.0, p.cooldown_s - elapsed) if elapsed >= 0 \
+                else now  # NOTE: the wall clock went back: the stored cooldown is over
         if p.clamp(current) != current:  # the bounds changed under a running stack
-            return self._decide(now, current, p.clamp(current), "bounds",
+            return self._decide(now, wall, current, p.clamp(current), "bounds",
                                 f"{current} drafters is outside {p.spec}", signals)
+        if signals.in_flight:  # NOTE: samples before the change settles would overshoot
+            self.rewatch(now)
+            return None
         self._recs.append((now, *recommend(p, signals, current)))
         horizon = now - max(p.up_window_s, p.down_window_s)
         while self._recs and self._recs[0][0] < horizon:
             self._recs.popleft()
-        if signals.in_flight or (self.last is not None and now - self.last.time < p.cooldown_s):
+        if now < self._quiet_until:
             return None
         up = self._window(now, p.up_window_s)
         if up and all(r[1] > current for r in up):
             _, target, kind, why = min(up, key=lambda r: r[1])
-            return self._decide(now, current, target, kind, why, signals)
+            return self._decide(now, wall, current, target, kind, why, signals)
         down = self._window(now, p.down_window_s)
         if down and all(r[1] < current for r in down):
             _, target, kind, why = max(down, key=lambda r: r[1])
-            return self._decide(now, current, target, kind, why, signals)
+            return self._decide(now, wall, current, target, kind, why, signals)
         return None
+
+    def rewatch(self, now: float) -> None:
+        """Forget the recommendations: a whole window must be watched again from `now`
+        (a change in flight, or a sample that could not see every verifier)."""
+        self._recs.clear()
+        if self._since is not None:
+            self._since = now
 
     def _window(self, now: float, span: float) -> list[tuple[float, int, str, str]]:
         """The recommendations of the last `span` seconds, once the rule has watched that
@@ -189,9 +208,9 @@ class Autoscaler:
             return []
         return [rec for rec in self._recs if rec[0] >= now - span]
 
-    def _decide(self, now: float, before: int, after: int, kind: str, reason: str,
-                signals: Signals) -> Decision:
-        self.last = Decision(now, before, after, kind, reason, signals.to_dict())
+    def _decide(self, now: float, wall: float, before: int, after: int, kind: str,
+                reason: str, signals: Signals) -> Decision:
+        self.last = Decision(wall, before, after, kind, reason, signals.to_dict())
         self._recs.clear()
-        self._since = now
+        self._since, self._quiet_until = now, now + self.policy.cooldown_s
         return self.last

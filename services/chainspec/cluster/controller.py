@@ -160,6 +160,7 @@ class Controller(AutoscalingMixin):
         if role == "drafter" and n > 0:  # a model without MTP modules: say so, start none
             await asyncio.to_thread(refuse_drafters, self.config)
         await self._recovered.wait()
+        self._refuse_if_stopped()
         if role == "drafter" and self.intent.autoscale is not None:  # a fixed count now
             log.info("drafter autoscaling off: scaled to a fixed %d", n)
             self.intent.autoscale = None
@@ -181,6 +182,7 @@ class Controller(AutoscalingMixin):
         self._save()
         self._recovered.set()  # NOTE: nobody waits forever on a recovery cancelled here
         self.autoscaler.stop()
+        self._close_metrics()
         for task in list(self._tasks):
             task.cancel()
         for member_id in list(self._members):

@@ -26,12 +26,16 @@ class AutoscalingMixin:
         config = self.config
         _log_decisions()
         self.metrics = ControllerMetrics()
-        self._endpoint = MetricsEndpoint(self.metrics.registry, config.host,
-                                         config.controller_metrics_port) \
-            if config.controller_metrics_port is not None else None
+        self._endpoint = None
+        if config.controller_metrics_port is not None:
+            try:
+                self._endpoint = MetricsEndpoint(self.metrics.registry, config.host,
+                                                 config.controller_metrics_port)
+            except OSError as e:  # NOTE: e.g. a fixed port the dead incarnation still held:
+                log.error("controller metrics off: %s", e)  # the controller must come up
         self.autoscaler = AutoscaleLoop(self._member_list, self._handles.__getitem__,
                                         config.drafter_max_seqs, config.health_timeout_s,
-                                        self._autoscaled)
+                                        self._autoscaled, self.metrics.sampled)
 
     async def autoscale_state(self) -> dict[str, Any]:
         """The drafter autoscaling policy (None: a fixed count), its last decision, the
@@ -54,6 +58,7 @@ class AutoscalingMixin:
         if parsed is not None:
             await asyncio.to_thread(refuse_drafters, self.config)
         await self._recovered.wait()
+        self._refuse_if_stopped()
         self.intent.autoscale = parsed.to_dict() if parsed is not None else None
         self._save()
         self._start_autoscaler()
@@ -78,6 +83,15 @@ class AutoscalingMixin:
         log.info("drafter autoscale %s %d -> %d: %s", decision.direction, decision.before,
                  decision.after, decision.reason)
         self._reconcile("drafter")
+
+    def _refuse_if_stopped(self) -> None:
+        if self.intent.stopped:
+            raise ValueError("the stack is stopping (`chainspec down`): nothing to scale")
+
+    def _close_metrics(self) -> None:
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None
 
     def _member_list(self) -> list[Member]:
         return list(self._members.values())

@@ -154,7 +154,8 @@ def stack_overrides(args: argparse.Namespace) -> dict[str, Any]:
         if flag.key == "drafter.replicas":  # a count turns autoscaling off, a range on
             section["autoscale"] = None if isinstance(value, int) else \
                 {"min_drafters": value[0], "max_drafters": value[1]}
-            if not isinstance(value, int):
+            if not isinstance(value, int):  # start at the minimum, whatever the file says
+                section["replicas"] = None
                 continue
         section[key] = value
     token = read_token(args) if hasattr(args, "token_file") else None

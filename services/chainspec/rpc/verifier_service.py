@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -267,12 +268,14 @@ class VerifierServer:
         """Engine steps and draft-pool counters (wait for drafts, bytes), cumulative; the
         running sequences; the draft wait of speculative rounds (the drafter autoscaler)."""
         core = self.engine.engine
-        wait = self.metrics.draft_wait if self.metrics is not None else None
+        wait_s, waits = 0.0, 0
+        if self.metrics is not None:
+            with self.metrics.recorder.lock:  # NOTE: the engine thread observes into it
+                wait_s, waits = self.metrics.draft_wait.sum, sum(self.metrics.draft_wait.counts)
         return {"steps": self.engine.steps, "step_s_total": self.engine.step_s_total,
                 "ahead_hits": core.ahead_hits, "ahead_misses": core.ahead_misses,
-                "running": self.engine.running,
-                "draft_wait_s_total": wait.sum if wait is not None else 0.0,
-                "draft_waits": sum(wait.counts) if wait is not None else 0,
+                "running": self.engine.running, "pid": os.getpid(),
+                "draft_wait_s_total": wait_s, "draft_waits": waits,
                 **asdict(self.drafts.stats)}
 
     async def set_drafters(self, endpoints: Sequence[str]) -> None:
