@@ -82,6 +82,8 @@ class AutoscaleLoop:
         stats = await asyncio.gather(*(self._stats(m) for m in verifiers))
         if any(s is None for s in stats):
             return None
+        ids = {m.member_id for m in verifiers}  # NOTE: no baseline outlives its verifier
+        self._waits = {k: v for k, v in self._waits.items() if k in ids}
         sequences, wait_s, rounds = 0, 0.0, 0.0
         for member, s in zip(verifiers, stats, strict=True):
             sequences += int(s.get("running", 0))
