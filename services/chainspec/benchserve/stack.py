@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from chainspec.cluster.autoscale import AutoscalePolicy
+
 SPEC = "chainspec_spec_decode_"
 SCALE_TIMEOUT_S = 600.0
 
@@ -130,7 +132,7 @@ async def autoscale_spec(stack_args: list[str]) -> str | None:
     else None."""
     text = await _chainspec("status", "--json", *stack_args)
     policy = (json.loads(text).get("autoscale") or {}).get("policy")
-    return f"auto:{policy['min_drafters']}-{policy['max_drafters']}" if policy else None
+    return AutoscalePolicy(**policy).spec if policy else None
 
 
 async def scale_drafters(client: httpx.AsyncClient, n: int | str,
@@ -138,9 +140,11 @@ async def scale_drafters(client: httpx.AsyncClient, n: int | str,
     """`chainspec scale drafters n <stack_args>`, then until the gateway sees n drafters
     (an `auto:MIN-MAX` n: at least MIN)."""
     await _chainspec("scale", "drafters", str(n), *stack_args)
-    low = int(n.split(":")[1].split("-")[0]) if isinstance(n, str) else n
-    done = (lambda got: got is not None and got >= low) if isinstance(n, str) else \
-        (lambda got: got == n)
+    if isinstance(n, str):
+        low = AutoscalePolicy.parse(n).min_drafters
+        done = lambda got: got is not None and got >= low  # noqa: E731
+    else:
+        done = lambda got: got == n  # noqa: E731
     deadline = time.monotonic() + SCALE_TIMEOUT_S
     while not done(await drafters(client)):
         if time.monotonic() > deadline:

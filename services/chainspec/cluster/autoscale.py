@@ -59,13 +59,13 @@ class AutoscalePolicy:
             raise ValueError("autoscale windows and cooldown must be >= 0, interval_s > 0")
 
     @classmethod
-    def parse(cls, spec: str, **base: Any) -> AutoscalePolicy:
-        """`auto:MIN-MAX` (the `--drafters` form), other fields from `base`."""
+    def parse(cls, spec: str) -> AutoscalePolicy:
+        """`auto:MIN-MAX` (the `--drafters` form), other fields the defaults."""
         match = SPEC.fullmatch(spec.strip())
         if match is None:
             raise ValueError(f"expected a drafter count or auto:MIN-MAX (e.g. auto:1-4), "
                              f"got {spec!r}")
-        return cls(**{**base, "min_drafters": int(match[1]), "max_drafters": int(match[2])})
+        return cls(min_drafters=int(match[1]), max_drafters=int(match[2]))
 
     @classmethod
     def from_dict(cls, data: Any) -> AutoscalePolicy:

@@ -65,12 +65,11 @@ class AutoscalingMixin:
         return await self.autoscale_state()
 
     def _start_autoscaler(self) -> None:
-        policy = self.intent.autoscale
-        last = self.intent.last_decision
-        self.autoscaler.restart(AutoscalePolicy(**policy) if policy is not None else None,
-                                Decision.from_dict(last) if last is not None else None,
+        stored, last = self.intent.autoscale, self.intent.last_decision
+        policy = AutoscalePolicy(**stored) if stored is not None else None
+        self.autoscaler.restart(policy, Decision.from_dict(last) if last is not None else None,
                                 lambda: self.intent.replicas["drafter"])
-        self.metrics.policy(AutoscalePolicy(**policy) if policy is not None else None)
+        self.metrics.policy(policy)
 
     def _autoscaled(self, decision: Decision) -> None:
         """Store the decision and the new count, then start or drain drafters."""
@@ -103,13 +102,14 @@ class AutoscalingMixin:
 
 
 def _log_decisions() -> None:
-    """Decisions are INFO lines on the controller's stderr (Ray keeps it in the worker's
-    log file and, with log_to_driver, shows it in the driver); a Ray worker's root logger
-    would drop INFO."""
-    if not log.handlers:
+    """The controller's INFO lines (decisions, autoscaling turned off) go to its stderr
+    (Ray keeps it in the worker's log file and, with log_to_driver, shows it in the
+    driver); a Ray worker's root logger would drop INFO."""
+    cluster = logging.getLogger("chainspec.cluster")
+    if not cluster.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: "
                                                "%(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
+        cluster.addHandler(handler)
+        cluster.setLevel(logging.INFO)
+        cluster.propagate = False

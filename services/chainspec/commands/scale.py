@@ -9,7 +9,6 @@ import json
 import sys
 
 from chainspec.cluster import stack
-from chainspec.cluster.autoscale import AutoscalePolicy
 from chainspec.commands.stack_args import add_connect_args, autoscale_line, namespace, print_members
 from chainspec.commands.stack_flags import drafter_count
 
@@ -53,7 +52,6 @@ def run(args: argparse.Namespace) -> int:
 def _autoscale(args: argparse.Namespace, low: int, high: int) -> int:
     if ROLES[args.role] != "drafter":
         raise ValueError("only drafters autoscale; give verifiers a count")
-    AutoscalePolicy(min_drafters=low, max_drafters=high)  # the bounds alone are valid
     policy = {"min_drafters": low, "max_drafters": high}  # other fields: the stack's
     if args.dry_run:
         print(json.dumps({"command": "scale", "role": "drafter", "autoscale": policy,

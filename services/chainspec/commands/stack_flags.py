@@ -38,6 +38,21 @@ class StackFlag:
         return "stack_" + self.key.replace(".", "_")
 
 
+def drafter_count(text: str) -> int | tuple[int, int]:
+    """`--drafters`: a count, or `auto:MIN-MAX` as (min, max)."""
+    if text.strip().startswith("auto"):
+        try:
+            policy = AutoscalePolicy.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return policy.min_drafters, policy.max_drafters
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a drafter count or auto:MIN-MAX, "
+                                         f"got {text!r}") from None
+
+
 STACK_FLAGS = (
     StackFlag("model_dir", ("--model",), {"help": "model directory (default: the bundled "
                                                    "demo model)"}),
@@ -85,7 +100,7 @@ STACK_FLAGS = (
                "help": "remote (default): drafter actors over gRPC; local: each verifier "
                        "runs the MTP modules in its own process, no drafter actors"}),
     StackFlag("drafter.replicas", ("--drafters",),
-              {"type": lambda text: drafter_count(text), "metavar": "N|auto:MIN-MAX",
+              {"type": drafter_count, "metavar": "N|auto:MIN-MAX",
                "help": "drafter actors: a fixed count, or auto:MIN-MAX to let the "
                        "controller scale them with the load (drafter.autoscale)"}),
     StackFlag("verifier.replicas", ("--verifiers",), {"type": int, "help": "verifier actors"}),
@@ -94,21 +109,6 @@ STACK_FLAGS = (
     StackFlag("verifier.num_gpus", ("--verifier-gpus",),
               {"type": float, "help": "GPUs per verifier (0: CPU)"}),
 )
-
-
-def drafter_count(text: str) -> int | tuple[int, int]:
-    """`--drafters`: a count, or `auto:MIN-MAX` as (min, max)."""
-    if text.strip().startswith("auto"):
-        try:
-            policy = AutoscalePolicy.parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        return policy.min_drafters, policy.max_drafters
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a drafter count or auto:MIN-MAX, "
-                                         f"got {text!r}") from None
 
 
 def add_stack_args(p: argparse.ArgumentParser,
@@ -151,12 +151,11 @@ def stack_overrides(args: argparse.Namespace) -> dict[str, Any]:
             continue
         role, _, key = flag.key.rpartition(".")
         section = out.setdefault(role, {}) if role else out
-        if flag.key == "drafter.replicas":  # a count turns autoscaling off, a range on
-            section["autoscale"] = None if isinstance(value, int) else \
-                {"min_drafters": value[0], "max_drafters": value[1]}
-            if not isinstance(value, int):  # start at the minimum, whatever the file says
-                section["replicas"] = None
-                continue
+        if isinstance(value, tuple):  # --drafters auto:MIN-MAX: autoscale, start at MIN
+            section["autoscale"] = {"min_drafters": value[0], "max_drafters": value[1]}
+            value = None  # NOTE: whatever count the file says
+        elif flag.key == "drafter.replicas":  # a fixed count turns autoscaling off
+            section["autoscale"] = None
         section[key] = value
     token = read_token(args) if hasattr(args, "token_file") else None
     if token:
