@@ -68,11 +68,16 @@ class Request:
         self.prompt_len = len(prompt)
         self.tokens = list(prompt)
         self.sampling = sampling
+        # the client chose the seed: its tokens must not depend on load, drafts or faults,
+        # so sampled rounds use the coupled rule (DESIGN 3.3, engine/acceptance.py)
+        self.seeded = False
         self.stop = stop
         self.blocks = BlockTable()  # KV blocks holding positions < num_computed (and more)
         self.recompute_len = 0  # after a preemption: committed positions to prefill again
         self.preemptions = 0
         self.group = 0  # pipelined group (VerifierConfig.groups), set at admission
+        self.party = request_id  # the client request it serves (engine/admission.py)
+        self.priority = 0  # lower is admitted first (SchedulingPolicy.PRIORITY)
         self.num_computed = 0  # positions < num_computed have target KV
         self.drafts: DraftResult | None = None  # proposals for the next verify
         self.drafts_ahead = False  # `drafts` came from a look-ahead hit (DESIGN 4.8)

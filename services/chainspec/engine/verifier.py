@@ -20,6 +20,14 @@ from dataclasses import dataclass, field
 import torch
 
 from chainspec.engine import preemption
+from chainspec.engine.admission import (
+    OWN_PARTY,
+    Admission,
+    SchedulingPolicy,
+    check_priority,
+    fair_victim,
+    next_admission,
+)
 from chainspec.engine.draft_client import DraftClient
 from chainspec.engine.draft_types import (
     DraftResult,
@@ -55,8 +63,10 @@ class VerifierConfig:
     draft_ahead: bool = False  # ask for look-ahead drafts and use them on a hit (4.8)
     kv: KVBudget = field(default_factory=KVBudget)  # paged KV cache size
     use_graphs: bool = True  # CUDA graphs for decode/verify steps when on a GPU
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # admission order
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
         if self.num_steps < 1:
             raise ValueError(f"num_steps (K) must be >= 1, got {self.num_steps}")
         if self.groups < 1:
@@ -101,11 +111,14 @@ class VerifierEngine:
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
-                    stop: StopConditions, arrival_s: float | None = None) -> None:
+                    stop: StopConditions, arrival_s: float | None = None,
+                    admission: Admission = OWN_PARTY) -> None:
         """Queue a request. Raises ValueError for input the model cannot take.
-        `arrival_s`: when it reached the server (`time.perf_counter()`; default now)."""
+        `arrival_s`: when it reached the server (`time.perf_counter()`; default now).
+        `admission`: its priority and party (engine/admission.py)."""
         if request_id in self.by_id:
             raise ValueError(f"request id {request_id!r} is already in use")
+        check_priority(admission.priority, self.config.scheduling_policy)
         vocab = self.model.config.vocab_size
         if not prompt:
             raise ValueError("prompt must contain at least one token")
@@ -124,6 +137,8 @@ class VerifierEngine:
                              f"{self.allocator.block_size})")
         req = Request(request_id, list(prompt), sampling.resolve_seed(), stop,
                       self.config.num_steps)
+        req.party, req.priority = admission.party or request_id, admission.priority
+        req.seeded = sampling.seed is not None
         self.by_id[request_id] = req
         self.seq_ids[request_id] = self._next_seq_id
         self._next_seq_id += 1
@@ -261,14 +276,25 @@ class VerifierEngine:
 
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.config.max_seqs:
-            req = self.waiting[0]
-            if not req.finished and not preemption.admit_blocks(req, self.allocator,
-                                                                self.config.num_steps):
-                break  # first come, first served: wait for blocks
-            self.waiting.pop(0)
-            if req.finished:
-                continue
+        """Fill free slots in fair order; then, while a party waits for a slot, one that
+        holds more than its share gives way (engine/admission.py)."""
+        while True:
+            self._admit_free()
+            if len(self.running) < self.config.max_seqs:
+                return  # waiting for blocks, or nobody waits
+            victim = fair_victim(self.waiting, self.running)
+            if victim is None:
+                return
+            self._preempt(victim)
+            self.preemptions += 1
+
+    def _admit_free(self) -> None:
+        while len(self.running) < self.config.max_seqs:
+            req = next_admission(self.waiting, self.running)  # NOTE: _reap ends finished ones
+            if req is None or not preemption.admit_blocks(req, self.allocator,
+                                                          self.config.num_steps):
+                break  # nobody waits, or wait for blocks
+            self.waiting.remove(req)
             sizes = [0] * self.config.groups
             for r in self.running:
                 sizes[r.group] += 1
@@ -278,14 +304,19 @@ class VerifierEngine:
     def _reserve(self, work: list[Work]) -> list[Work]:
         """Blocks for the rows `work` writes; short of them, preempt (module preemption)."""
         work, victims = preemption.reserve(work, self.running, self.allocator)
-        for req in victims:
-            self.running.remove(req)
-            preemption.requeue(req)
-            self.waiting.insert(0, req)  # NOTE: victims come newest first: admission order
-            if self.drafter is not None:
-                self.drafter.release([self.seq_ids[req.request_id]])
+        for req in victims:  # NOTE: victims come newest first: admission order
+            self._preempt(req)
         self.preemptions += len(victims)
         return work
+
+    def _preempt(self, req: Request) -> None:
+        """`req` leaves the running set to be recomputed later, first in line."""
+        self.running.remove(req)
+        req.blocks.release(self.allocator)  # NOTE: a no-op for reserve's victims
+        preemption.requeue(req)
+        self.waiting.insert(0, req)
+        if self.drafter is not None:
+            self.drafter.release([self.seq_ids[req.request_id]])
 
     def _reap(self) -> list[RequestOutput]:
         """Finished requests leave: free the slot, release the drafter's state."""
