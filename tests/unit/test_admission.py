@@ -12,6 +12,9 @@ from chainspec.engine.admission import Admission, SchedulingPolicy, fair_victim,
 from chainspec.engine.request import Request, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.verifier import VerifierEngine
+from chainspec.rpc.codec import WireError
+from chainspec.rpc.generate_codec import GenerateLimits, parse_generate
+from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 from tests.unit.engine_fixtures import engine, prompts, tied_pair
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -149,3 +152,19 @@ def test_no_party_of_better_priority_gives_way():
     running = [_req(f"a{i}", "a", priority=0) for i in range(4)]
     assert fair_victim([_req("c0", "c", priority=1)], running) is None
     assert fair_victim([_req("c0", "c", priority=0)], running).request_id == "a3"  # newest
+
+
+def _wire(priority: int, parent: str = "") -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id="r", parent_request_id=parent, priority=priority)
+    req.tokens.ids.extend([1, 2])
+    return req
+
+
+def test_the_wire_carries_priority_and_party_and_fcfs_refuses_a_priority() -> None:
+    fcfs = GenerateLimits(61, 256, 3)
+    assert parse_generate(_wire(0), fcfs, None).admission == Admission(0, None)
+    assert parse_generate(_wire(0, "cmpl-1"), fcfs, None).admission.party == "cmpl-1"
+    with pytest.raises(WireError, match="^priority: priority 3 needs"):
+        parse_generate(_wire(3), fcfs, None)
+    prio = GenerateLimits(61, 256, 3, scheduling_policy=SchedulingPolicy.PRIORITY)
+    assert parse_generate(_wire(-3, "p"), prio, None).admission == Admission(-3, "p")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from chainspec.cluster.autoscale import AutoscalePolicy
+from chainspec.engine.admission import SchedulingPolicy
 from chainspec.engine.options import DEMO_MODEL, DrafterMode, LocalOptions
 from chainspec.rpc.channel import ClientOptions
 from chainspec.rpc.server import ServerOptions
@@ -146,10 +147,19 @@ class StackConfig:
     max_waiting: int = 64
     pipeline_groups: int = 1  # verifier groups taking turns (DESIGN 4.8); 1: off
     draft_ahead: bool = False  # verifiers use drafters' look-ahead drafts on a hit (4.8)
+    # verifiers' admission order (engine/admission.py): fcfs, or priority (lower first)
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     controller_metrics_port: int | None = 0  # the controller's /metrics (autoscaler); null: off
 
     def __post_init__(self) -> None:
         self.local_options("verifier")  # validates the model and KV fields
+        try:
+            object.__setattr__(self, "scheduling_policy",
+                               SchedulingPolicy(self.scheduling_policy))
+        except ValueError:
+            raise ValueError(f"scheduling_policy must be one of "
+                             f"{', '.join(p.value for p in SchedulingPolicy)}, "
+                             f"got {self.scheduling_policy!r}") from None
         if min(self.num_steps, self.max_seqs, self.drafter_max_seqs,
                self.pipeline_groups) < 1 or self.max_len < 2 * self.num_steps + 2:
             raise ValueError("num_steps, max_seqs, drafter_max_seqs and pipeline_groups "
@@ -210,6 +220,7 @@ class StackConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["drafter"]["mode"] = str(self.drafter.mode)  # plain JSON/YAML
+        out["scheduling_policy"] = str(self.scheduling_policy)
         return out
 
     @classmethod

@@ -20,7 +20,7 @@ ENGINE_KEYS = ("model_dir", "num_steps", "chain", "max_seqs", "max_len", "dtype"
                "use_graphs")
 DRAFTER_KEYS = (*(k for k in ENGINE_KEYS if k != "max_seqs"), "drafter_max_seqs", "host")
 VERIFIER_KEYS = (*ENGINE_KEYS, "host", "max_waiting", "draft_deadline_s", "pipeline_groups",
-                 "draft_ahead", "drafter.mode")
+                 "draft_ahead", "scheduling_policy", "drafter.mode")
 # names the service commands had before the table (kept working): a lone drafter's
 # --max-seqs is its own slots (--drafter-max-seqs of a stack), --host the gRPC address
 DRAFTER_ALIASES = {"drafter_max_seqs": ("--max-seqs",), "host": ("--host",)}

@@ -23,6 +23,7 @@ import yaml
 from chainspec.cluster.autoscale import AutoscalePolicy
 from chainspec.cluster.config import ROLES, StackConfig
 from chainspec.commands.server_args import add_token_args, read_token
+from chainspec.engine.admission import SchedulingPolicy
 from chainspec.engine.options import DTYPES, DrafterMode
 
 
@@ -95,6 +96,10 @@ STACK_FLAGS = (
     StackFlag("draft_ahead", ("--draft-ahead",),
               {"action": "store_true", "help": "verifiers use drafters' look-ahead drafts "
                                                "on a hit (default off)"}),
+    StackFlag("scheduling_policy", ("--scheduling-policy",),
+              {"choices": [p.value for p in SchedulingPolicy],
+               "help": "verifiers' admission order: fcfs (default; a request's priority "
+                       "must be 0) or priority (lower `priority` first, as in vLLM)"}),
     StackFlag("drafter.mode", ("--drafter-mode",),
               {"choices": [m.value for m in DrafterMode],
                "help": "remote (default): drafter actors over gRPC; local: each verifier "

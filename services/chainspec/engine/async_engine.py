@@ -10,6 +10,11 @@ Clients cannot kill the thread: a caller that gives up (cancelled while its comm
 queued) leaves a cancelled future that the thread skips; a closed event loop is skipped
 too. If the thread dies anyway (an engine bug), `failure` says why and the listeners
 added with `on_failure` hear it at once; `stalled` tells a stuck thread from a busy one.
+
+Slow readers: a request's committed tokens wait in its stream until its reader takes
+them. A reader that falls `max_buffered_tokens` behind (a client that stopped reading:
+gRPC flow control stops the servicer's writes) has its request aborted, so an unread
+stream cannot keep its sequence running or its tokens piling up.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from chainspec.engine.admission import OWN_PARTY, Admission
 from chainspec.engine.request import RequestOutput, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.verifier import VerifierEngine
@@ -48,13 +54,16 @@ class RequestIdInUse(ValueError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue  # RequestOutput | EngineStopped
+    buffered: int = 0  # tokens in `queue`, not yet taken by the reader
+    overflowed: bool = False  # the reader fell too far behind: abort asked for
 
 
 class AsyncVerifier:
     def __init__(self, engine: VerifierEngine, max_waiting: int = 64,
-                 name: str = "verifier-engine") -> None:
+                 max_buffered_tokens: int = 256, name: str = "verifier-engine") -> None:
         self.engine = engine
         self.max_waiting = max_waiting
+        self.max_buffered_tokens = max_buffered_tokens  # a reader this far behind: abort
         self.capacity = engine.config.max_seqs + max_waiting  # running + waiting
         self._streams: dict[str, _Stream] = {}
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -103,19 +112,21 @@ class AsyncVerifier:
             listener(self._failure)
 
     async def generate(self, request_id: str | None, prompt_ids: Sequence[int],
-                       sampling: SamplingParams, stop: StopConditions
-                       ) -> AsyncIterator[RequestOutput]:
+                       sampling: SamplingParams, stop: StopConditions,
+                       admission: Admission = OWN_PARTY) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine commits them; the last one is finished.
 
         Raises ValueError (bad input), RequestIdInUse, QueueFull or EngineStopped. Leaving
-        the iteration early (client gone, cancellation) aborts the request in the engine.
+        the iteration early (client gone, cancellation) aborts the request in the engine,
+        and so does falling `max_buffered_tokens` behind (its last output is ABORT).
         """
         request_id = request_id or uuid.uuid4().hex
         arrival = time.perf_counter()  # TTFT and queue time count from here
         stream = self._open(request_id)
         try:
             await self.call(lambda: self.engine.add_request(request_id, prompt_ids,
-                                                            sampling, stop, arrival))
+                                                            sampling, stop, arrival,
+                                                            admission))
         except BaseException as e:
             self._streams.pop(request_id, None)
             if not isinstance(e, ValueError) and self.alive:  # cancelled while queued
@@ -127,6 +138,7 @@ class AsyncVerifier:
                 item = await stream.queue.get()
                 if isinstance(item, EngineStopped):
                     raise item
+                stream.buffered -= len(item.new_tokens)
                 finished = item.finished
                 yield item
         finally:
@@ -188,8 +200,16 @@ class AsyncVerifier:
         """On the event loop: hand each output to its request's stream."""
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.queue.put_nowait(out)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(out)
+            stream.buffered += len(out.new_tokens)
+            if stream.buffered > self.max_buffered_tokens and not stream.overflowed \
+                    and not out.finished and self.alive:
+                stream.overflowed = True
+                log.warning("request %s aborted: its reader is %d tokens behind (bound %d)",
+                            out.request_id, stream.buffered, self.max_buffered_tokens)
+                self._submit(lambda rid=out.request_id: self.engine.abort(rid))
 
     def _fail_all(self, reason: str) -> None:
         for stream in list(self._streams.values()):

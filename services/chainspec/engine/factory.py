@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from chainspec.engine.admission import SchedulingPolicy
 from chainspec.engine.draft_client import DraftClient
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from chainspec.engine.observer import DrafterObserver
@@ -51,11 +52,13 @@ def drafter_config(opts: LocalOptions) -> DrafterConfig:
                          use_graphs=opts.use_graphs, kv=opts.kv_budget)
 
 
-def verifier_config(opts: LocalOptions, groups: int = 1,
-                    draft_ahead: bool = False) -> VerifierConfig:
+def verifier_config(opts: LocalOptions, groups: int = 1, draft_ahead: bool = False,
+                    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
+                    ) -> VerifierConfig:
     """The engine config of a verifier over `opts` (in process and as a service)."""
     return VerifierConfig(num_steps=opts.num_steps, max_seqs=opts.max_seqs,
                           max_len=opts.max_len, groups=groups, draft_ahead=draft_ahead,
+                          scheduling_policy=scheduling_policy,
                           draft_top_k=opts.draft_top_k, use_graphs=opts.use_graphs,
                           kv=opts.kv_budget,
                           max_batch_tokens=max(1024, opts.max_seqs * (opts.num_steps + 1)))
@@ -92,7 +95,9 @@ def load_drafter(opts: LocalOptions,
 def build_verifier_engine(target: TargetModel, opts: LocalOptions, drafts: DraftClient | None,
                           eos_ids: Sequence[int] = (),
                           detokenize: Callable[[list[int]], str] | None = None,
-                          groups: int = 1, draft_ahead: bool = False) -> VerifierEngine:
+                          groups: int = 1, draft_ahead: bool = False,
+                          scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
+                          ) -> VerifierEngine:
     """A verifier engine over a loaded target and `drafts` (None: plain decoding)."""
-    return VerifierEngine(target, verifier_config(opts, groups, draft_ahead), drafts, eos_ids,
-                          detokenize)
+    return VerifierEngine(target, verifier_config(opts, groups, draft_ahead, scheduling_policy),
+                          drafts, eos_ids, detokenize)

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from chainspec.engine.admission import OWN_PARTY, Admission, SchedulingPolicy, check_priority
 from chainspec.engine.logprobs import TokenLogprob
 from chainspec.engine.request import FinishReason, RequestOutput, RequestStats, StopConditions
 from chainspec.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, SamplingParams
@@ -26,6 +27,7 @@ class GenerateLimits:
     num_steps: int  # K: a verify window needs K + 1 positions past the last token
     default_max_tokens: int = 256
     max_text_chars: int | None = None  # longer prompt texts are refused untokenized
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # fcfs: priority must be 0
 
     @property
     def context(self) -> int:
@@ -40,6 +42,7 @@ class GenerateArgs:
     sampling: SamplingParams
     stop: StopConditions
     include_stop_str: bool = False  # the matched stop string stays in the text
+    admission: Admission = OWN_PARTY  # priority and party (engine/admission.py)
 
 
 def parse_generate(req: pb.GenerateRequest, limits: GenerateLimits,
@@ -51,7 +54,15 @@ def parse_generate(req: pb.GenerateRequest, limits: GenerateLimits,
         raise invalid(f"sampling.min_tokens: must be <= stop.max_tokens ({wanted}), got "
                       f"{sampling.min_tokens}")
     return GenerateArgs(req.request_id, prompt, sampling, _stop(req, limits, len(prompt)),
-                        req.stop.include_stop_str_in_output)
+                        req.stop.include_stop_str_in_output, _admission(req, limits))
+
+
+def _admission(req: pb.GenerateRequest, limits: GenerateLimits) -> Admission:
+    try:
+        check_priority(req.priority, limits.scheduling_policy)
+    except ValueError as e:
+        raise invalid(f"priority: {e}") from None
+    return Admission(req.priority, req.parent_request_id or None)
 
 
 def _prompt(req: pb.GenerateRequest, limits: GenerateLimits,

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from chainspec.engine.admission import SchedulingPolicy
 from chainspec.engine.async_engine import AsyncVerifier, EngineStopped, QueueFull, RequestIdInUse
 from chainspec.engine.detokenizer import IncrementalDetokenizer
 from chainspec.engine.factory import build_verifier_engine, load_draft, load_target_model
@@ -127,7 +128,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         writer = _ResponseWriter(rid, len(args.prompt), self.tokenizer, args.stop.stop_strings,
                                  args.include_stop_str)
         try:
-            async for out in self.engine.generate(rid, args.prompt, args.sampling, args.stop):
+            async for out in self.engine.generate(rid, args.prompt, args.sampling, args.stop,
+                                                  args.admission):
                 for message in writer.messages(out):
                     yield message
         except RequestIdInUse:
@@ -203,9 +205,14 @@ class VerifierOptions:
     drafter: DrafterMode = DrafterMode.REMOTE  # local: the MTP modules run in this process
     groups: int = 1  # pipelined groups taking turns (VerifierConfig.groups, DESIGN 4.8)
     draft_ahead: bool = False  # use look-ahead drafts on a hit (VerifierConfig.draft_ahead)
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # engine/admission.py
+    max_buffered_tokens: int = 256  # tokens a stream's reader may fall behind, then abort
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "drafter", DrafterMode(self.drafter))  # ValueError: unknown
+        object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
+        if self.max_buffered_tokens < 1:
+            raise ValueError(f"max_buffered_tokens must be >= 1, got {self.max_buffered_tokens}")
         if self.groups < 1:
             raise ValueError(f"groups must be >= 1, got {self.groups}")
         if self.max_waiting < 0 or self.default_max_tokens < 1:
@@ -227,7 +234,8 @@ class VerifierOptions:
                       "max_waiting": config.max_waiting,
                       "draft_deadline_s": config.draft_deadline_s,
                       "drafter": config.drafter.mode, "groups": config.pipeline_groups,
-                      "draft_ahead": config.draft_ahead, **overrides})
+                      "draft_ahead": config.draft_ahead,
+                      "scheduling_policy": config.scheduling_policy, **overrides})
 
 
 class VerifierServer:
@@ -316,8 +324,8 @@ async def serve_verifier(opts: VerifierOptions, server: ServerOptions,
                                  match=match, observer=metrics, max_seqs=m.max_seqs)
     eos = tokenizer.eos_token_ids if tokenizer is not None else ()
     core = build_verifier_engine(target, m, drafts, eos, tokenizer.decode if tokenizer else None,
-                                 opts.groups, opts.draft_ahead)
-    engine = AsyncVerifier(core, opts.max_waiting)
+                                 opts.groups, opts.draft_ahead, opts.scheduling_policy)
+    engine = AsyncVerifier(core, opts.max_waiting, opts.max_buffered_tokens)
     if metrics is not None:
         metrics.set_info(m.num_steps, m.dtype, m.chain)
         metrics.attach(core, drafts)
@@ -325,7 +333,7 @@ async def serve_verifier(opts: VerifierOptions, server: ServerOptions,
     # or what its RoPE scaling extends that to), whatever the slots could hold
     limits = GenerateLimits(target.config.vocab_size,
                             min(m.max_len, target.config.position_limit), m.num_steps,
-                            opts.default_max_tokens)
+                            opts.default_max_tokens, scheduling_policy=opts.scheduling_policy)
     servicer = VerifierServicer(engine, limits, tokenizer, opts.name, fingerprint,
                                 lambda: len(drafts.loads()))
     running = await start_server(server, servicer.register, [VERIFIER_SERVICE], metrics)
