@@ -25,7 +25,8 @@ CASES: dict[str, tuple[str, ...]] = {
         "--set", "model.source=pvc", "--set", "model.pvc.claimName=models",
         "--set", "model.dir=m", "--set", "auth.tokenSecret.name=tok",
         "--set", "auth.tokenSecret.key=tk", "--set", "gateway.apiKey.existingSecret=key",
-        "--set", "gateway.apiKey.key=ak", "--set", "head.pdb.enabled=true",
+        "--set", "gateway.apiKey.key=ak", "--set", "gateway.trustRequestChatTemplate=true",
+        "--set", "head.pdb.enabled=true",
         "--set", "monitoring.podMonitors.enabled=true",
         "--set", "monitoring.serviceMonitor.enabled=true"),
 }

@@ -119,6 +119,12 @@ def test_secret_files_are_the_configured_keys(booted):
     assert booted("default").of("up")[0].resolved["config"]["auth_token"] is None
 
 
+def test_request_chat_templates_are_trusted_only_when_set(booted):
+    def trusted(case: str) -> bool:
+        return booted(case).of("gateway")[0].resolved["gateway"]["trust_request_chat_template"]
+    assert trusted("grpc-probes-pvc-secrets") is True and trusted("default") is False
+
+
 # -- ports, probes, monitors -------------------------------------------------------------
 
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")

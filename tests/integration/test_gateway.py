@@ -65,7 +65,9 @@ def stack(model_dir, loop_thread):
     opts = LocalOptions(model_dir=model_dir, num_steps=K, max_seqs=8, max_len=MAX_LEN)
     verifier = loop_thread.run(serve_verifier(VerifierOptions(opts), ServerOptions(),
                                               [drafter.address]))
-    gateway = start_gateway(loop_thread, [verifier.address], api_key=KEY)
+    # NOTE: trusting request templates, as the surface table's chat_template rows need
+    gateway = start_gateway(loop_thread, [verifier.address], api_key=KEY,
+                            trust_request_chat_template=True)
     assert loop_thread.run(gateway.wait_ready(30, drafters=1))
     yield Stack(gateway.url, verifier, engine, loop_thread, model_dir.name)
     loop_thread.run(gateway.stop())

@@ -5,6 +5,7 @@ events."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
@@ -263,7 +264,8 @@ def test_api_key() -> None:
 
 def test_default_chat_template() -> None:
     turns = [Turn("system", "S"), Turn("user", "U")]
-    assert ChatTemplate().render(turns) == "<|system|>\nS\n<|user|>\nU\n<|assistant|>\n"
+    expected = "<|system|>\nS\n<|user|>\nU\n<|assistant|>\n"
+    assert asyncio.run(ChatTemplate().render(turns)) == expected
 
 
 def test_model_chat_template(tmp_path) -> None:
@@ -271,10 +273,17 @@ def test_model_chat_template(tmp_path) -> None:
                 "{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
                 "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
     t = ChatTemplate(template, bos_token="<s>")
-    assert t.render([Turn("user", "hi")]) == "<s>[user]hi[assistant]"
+
+    async def both() -> str:
+        try:
+            assert await t.render([Turn("user", "hi")]) == "<s>[user]hi[assistant]"
+            await t.render([Turn("tool", "x")])
+        finally:
+            t.close()
     with pytest.raises(APIError) as e:
-        t.render([Turn("tool", "x")])
+        asyncio.run(both())
     assert e.value.param == "messages" and "no tools" in e.value.message
+    assert "the server's chat template" in e.value.message
     assert ChatTemplate.from_model_dir(None).is_default
 
 
@@ -285,7 +294,8 @@ def test_model_dir_template(tmp_path) -> None:
     (d / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<e>"}}))
     t = ChatTemplate.from_model_dir(d)
-    assert t.render([Turn("user", "x")]) == "x!" and t.eos_token == "<e>"
+    assert asyncio.run(t.render([Turn("user", "x")])) == "x!" and t.eos_token == "<e>"
+    t.close()
 
 
 def test_usage_and_chunks() -> None:

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from chainspec.cluster.config import NAMESPACE
-from chainspec.commands.serve import read_api_key
+from chainspec.commands.serve import add_trust_flag, read_api_key
 from chainspec.commands.server_args import add_token_args, read_token
 from chainspec.commands.signals import until_stopped
 from chainspec.gateway.config import GatewayConfig
@@ -38,6 +38,7 @@ def add_parser(sub) -> list[str]:
     p.add_argument("--port", type=int, default=GatewayConfig.port)
     p.add_argument("--model-name", default="", help="model name clients send")
     p.add_argument("--max-in-flight", type=int, default=GatewayConfig.max_in_flight)
+    add_trust_flag(p)
     p.add_argument("--api-key-file", type=Path, help="require this API key "
                                                      "(default: $CHAINSPEC_API_KEY when set)")
     add_token_args(p)
@@ -53,7 +54,8 @@ def add_parser(sub) -> list[str]:
 
 def resolve(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(host=args.host, port=args.port, api_key=read_api_key(args),
-                         model_name=args.model_name, max_in_flight=args.max_in_flight)
+                         model_name=args.model_name, max_in_flight=args.max_in_flight,
+                         trust_request_chat_template=bool(args.trust_request_chat_template))
 
 
 def run(args: argparse.Namespace) -> int:

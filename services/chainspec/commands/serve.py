@@ -24,33 +24,48 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from chainspec.commands.help_format import DefaultsHelpFormatter
 from chainspec.commands.signals import until_stopped
 from chainspec.commands.stack_flags import add_stack_args, file_with_flags
+from chainspec.gateway.config import GatewayConfig
 from chainspec.serving.config import ServeConfig
+from chainspec.serving.ports import check_ports
 
 API_KEY_ENV = "CHAINSPEC_API_KEY"
 
 # flag -> gateway key (the stack flags are commands/stack_flags.py's)
 _GATEWAY_FLAGS = {"host": "host", "port": "port", "model_name": "model_name",
-                  "max_in_flight": "max_in_flight"}
+                  "max_in_flight": "max_in_flight",
+                  "trust_request_chat_template": "trust_request_chat_template"}
 
 
 def add_parser(sub) -> list[str]:
     p = sub.add_parser("serve", help="the whole stack with the OpenAI-compatible HTTP API",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__, formatter_class=DefaultsHelpFormatter)
     add_stack_args(p)
     p.add_argument("--address", help="join the Ray cluster at this address "
                                      "(default: an embedded local Ray)")
     p.add_argument("--host", help="HTTP address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000; 0: any free port)")
     p.add_argument("--model-name", help="model name clients send (default: the directory's)")
-    p.add_argument("--max-in-flight", type=int, help="requests in flight, then 429")
+    p.add_argument("--max-in-flight", type=int, help=f"requests in flight, then 429 "
+                                                      f"(default: {GatewayConfig.max_in_flight})")
+    add_trust_flag(p)
     p.add_argument("--api-key-file", type=Path,
                    help=f"require this API key (default: ${API_KEY_ENV} when set)")
-    p.add_argument("--timeout", type=float, help="seconds to wait for the stack to be ready")
+    p.add_argument("--timeout", type=float, help=f"seconds to wait for the stack to be ready "
+                                                  f"(default: {ServeConfig.start_timeout_s:g})")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the config, print it resolved (secrets masked), start nothing")
     return ["serve"]
+
+
+def add_trust_flag(p: argparse.ArgumentParser) -> None:
+    """`--trust-request-chat-template` (vLLM's flag), for every command with a gateway;
+    unset (None) leaves a config file's value."""
+    p.add_argument("--trust-request-chat-template", action="store_true", default=None,
+                   help="honour a request's own chat_template (default: refused with a "
+                        "400; every template runs sandboxed, time- and size-limited)")
 
 
 def resolve(args: argparse.Namespace) -> ServeConfig:
@@ -95,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(json.dumps({"command": "serve", "config": config.describe()}, indent=2))
         return 0
+    check_ports(config, embedded=config.address is None)  # before Ray: a busy port is exit 2
     from chainspec.cluster import stack
     from chainspec.serving.progress import Progress
     from chainspec.serving.runner import ServingStack

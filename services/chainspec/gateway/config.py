@@ -23,6 +23,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0  # deadline of one request at the verifier
     refresh_interval_s: float = 1.0  # how often verifiers' health and load are polled
     max_body_bytes: int = 8 * 2 ** 20  # a larger request body is 413, refused unread
+    trust_request_chat_template: bool = False  # honour a request's chat_template (vLLM)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -39,6 +40,9 @@ class GatewayConfig:
             raise ValueError(f"gateway.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.request_timeout_s <= 0 or self.refresh_interval_s <= 0:
             raise ValueError("gateway.request_timeout_s and refresh_interval_s must be > 0")
+        if not isinstance(self.trust_request_chat_template, bool):
+            raise ValueError(f"gateway.trust_request_chat_template must be true or false, "
+                             f"got {self.trust_request_chat_template!r}")
 
     @classmethod
     def from_dict(cls, data: Any) -> GatewayConfig:

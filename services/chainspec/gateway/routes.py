@@ -40,9 +40,10 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     gateway = _gateway(request)
     body = parse(ChatCompletionRequest, await read_json(request))
-    prompt = gateway.chat.render([Turn(m.role, m.text()) for m in body.messages],
-                                 body.generation_prompt, body.continue_final_message,
-                                 body.chat_template_kwargs, body.chat_template)
+    prompt = await gateway.chat.render(
+        [Turn(m.role, m.text()) for m in body.messages], body.generation_prompt,
+        body.continue_final_message, body.chat_template_kwargs, body.chat_template,
+        trust_template=gateway.config.trust_request_chat_template)
     model = gateway.resolve_model(body.model)
     response_id, specs = gateway.new_specs(body, prompt, "chatcmpl-")
     return await gateway.respond(request, ChatFormat, response_id, specs, body, model,

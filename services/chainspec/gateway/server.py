@@ -99,6 +99,7 @@ class GatewayServer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._sock.close()
+        self.gateway.chat.close()  # its render workers
 
 
 def bind(host: str, port: int) -> socket.socket:
