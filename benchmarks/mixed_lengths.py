@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from chainspec.engine.local import DEMO_MODEL
 from chainspec.models.attention import AttnBatch, PagedAttention, SeqRows
 from chainspec.models.config import ModelConfig
-from chainspec.models.kv_cache import PagedKVCache
+from chainspec.models.kv_cache import ModelKVCache
 from chainspec.models.target import TargetModel
 
 K, BLOCK, LONG, MAX_LEN = 3, 16, 2000, 2048
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                               **SHAPES[args.shape])
     model = TargetModel(cfg).eval()
     c = model.config
-    cache = PagedKVCache(c.num_layers, 8 * -(-MAX_LEN // BLOCK), BLOCK, c.num_kv_heads,
+    cache = ModelKVCache.uniform(c.num_layers, 8 * -(-MAX_LEN // BLOCK), BLOCK, c.num_kv_heads,
                          c.head_dim)
     shape = (8, MAX_LEN, c.num_kv_heads, c.head_dim)
     keys = [torch.zeros(shape) for _ in range(c.num_layers)]

@@ -26,7 +26,7 @@ K = 3  # draft steps (the demo model has 3 MTP modules)
 VERIFY_GRAPHS = "chainspec.engine.verify_graphs"
 BLOCK = 16  # block size of the paged cache
 # NOTE: both KV layouts are served while the paged engine (branch `paged`) is on its way
-# to main: slot caches (KVCache, Window.slot, Request.slot) and paged ones (PagedKVCache,
+# to main: slot caches (KVCache, Window.slot, Request.slot) and paged ones (ModelKVCache,
 # Window.blocks, Request.blocks). Delete the slot branch of each helper once it merged.
 PAGED = "block_size" in inspect.signature(StaticDraftBuffers.__init__).parameters
 
@@ -81,7 +81,7 @@ def _kv_cache(layers: int, max_seqs: int, max_len: int, cfg, ctx: Context):
     """Room for `max_seqs` sequences of `max_len` positions."""
     if PAGED:
         blocks = max_seqs * math.ceil(max_len / BLOCK)
-        return kv_cache.PagedKVCache(layers, blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim,
+        return kv_cache.ModelKVCache.uniform(layers, blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim,
                                      ctx.dtype, ctx.device)
     return kv_cache.KVCache(layers, max_seqs, max_len, cfg.num_kv_heads, cfg.head_dim,
                             ctx.dtype, ctx.device)

@@ -14,7 +14,7 @@ from chainspec.engine.draft_step import draft_round
 from chainspec.engine.draft_types import SeqUpdate
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from chainspec.engine.graph_runner import GraphRunner, StaticDraftBuffers, default_buckets
-from chainspec.models.kv_cache import PagedKVCache
+from chainspec.models.kv_cache import ModelKVCache
 from tests.unit.draft_reference import reference_drafts
 from tests.unit.engine_fixtures import engine, outputs, prompts, tied_pair
 from tests.unit.tiny_models import tiny_draft_model
@@ -48,7 +48,7 @@ def _runner(model, cache, use_graphs: bool) -> GraphRunner:
 def test_replay_equals_eager(num_seqs: int) -> None:
     model = tiny_draft_model(2).to(CUDA)
     cfg = model.config
-    caches = [PagedKVCache(K, NUM_BLOCKS, BLOCK, cfg.num_kv_heads, cfg.head_dim, device=CUDA)
+    caches = [ModelKVCache.uniform(K, NUM_BLOCKS, BLOCK, cfg.num_kv_heads, cfg.head_dim, device=CUDA)
               for _ in range(2)]
     graphs, eager = _runner(model, caches[0], True), _runner(model, caches[1], False)
     assert len(graphs.graphs) == len(graphs.buckets)

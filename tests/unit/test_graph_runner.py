@@ -11,7 +11,7 @@ import torch
 from chainspec.engine.draft_batch import Window, build_compact
 from chainspec.engine.draft_step import draft_round
 from chainspec.engine.graph_runner import GraphRunner, StaticDraftBuffers, default_buckets
-from chainspec.models.kv_cache import PagedKVCache
+from chainspec.models.kv_cache import ModelKVCache
 from tests.unit.tiny_models import tiny_draft_model
 
 K, HIDDEN, MAX_LEN, TOP_K = 3, 32, 64, 4
@@ -33,9 +33,9 @@ def windows(n: int, rng: random.Random, sampled: bool = False) -> list[Window]:
     return out
 
 
-def fresh_cache(model) -> PagedKVCache:
+def fresh_cache(model) -> ModelKVCache:
     cfg = model.config
-    cache = PagedKVCache(K, NUM_BLOCKS, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    cache = ModelKVCache.uniform(K, NUM_BLOCKS, BLOCK, cfg.num_kv_heads, cfg.head_dim)
     for t in cache.keys + cache.values:  # distinct pre-existing content
         t.copy_(torch.randn_like(t))
     return cache

@@ -239,7 +239,7 @@ def test_bf16_load_keeps_rope_in_fp32_and_tracks_fp32_logits(tmp_path):
     demo_checkpoint(tmp_path)
     full, half = load_target(tmp_path), load_target(tmp_path, dtype=torch.bfloat16)
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
-    assert half.rotary.inv_freq.dtype == torch.float32
+    assert half.rotaries[0].inv_freq.dtype == torch.float32
     assert {p.dtype for p in load_draft_model(tmp_path, dtype=torch.bfloat16).parameters()} == {
         torch.bfloat16}
     ids = torch.tensor([5, 9, 2, 7, 7, 1])

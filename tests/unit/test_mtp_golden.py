@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from chainspec.models.attention import AttnBatch, DenseCausal, PagedAttention, SeqRows
-from chainspec.models.kv_cache import PagedKVCache
+from chainspec.models.kv_cache import ModelKVCache
 from chainspec.models.loader import load_draft_model
 from tests.unit.checkpoints import (
     FAMILY_GLUE,
@@ -228,7 +228,7 @@ def test_family_matches_reference_paged_chunks(tmp_path, name):
     model, steps = load_draft_model(tmp_path, num_modules=2), 3
     seqs = {1: inputs(cfg, 1), 0: inputs(cfg, 2)}  # slot -> (x, h)
     chunks = [{1: (0, 4), 0: (0, 7)}, {1: (4, SEQ), 0: (7, SEQ)}]  # slot -> rows [lo, hi)
-    cache = PagedKVCache(steps, 6, BLOCK, model.config.num_kv_heads, model.config.head_dim)
+    cache = ModelKVCache.uniform(steps, 6, BLOCK, model.config.num_kv_heads, model.config.head_dim)
     got = {slot: [[] for _ in range(steps)] for slot in seqs}
     for chunk in chunks:
         for slot, per_step in run_chunk(model, cache, seqs, chunk, steps).items():

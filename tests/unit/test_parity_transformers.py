@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from chainspec.models.attention import AttnBatch, PagedAttention, SeqRows
-from chainspec.models.kv_cache import PagedKVCache
+from chainspec.models.kv_cache import ModelKVCache
 from chainspec.models.loader import load_target
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -71,7 +71,7 @@ def hf_logits(model, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def packed_logits(model, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Run SCHEDULE through chainspec; logits of every row, gathered per sequence."""
     cfg = model.config
-    cache = PagedKVCache(cfg.num_layers, 9, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    cache = ModelKVCache.uniform(cfg.num_layers, 9, BLOCK, cfg.num_kv_heads, cfg.head_dim)
     rows: dict[str, list[torch.Tensor]] = {s: [] for s in ids}
     for step in SCHEDULE:
         batch = AttnBatch.build([SeqRows(TABLES[s], lo, hi - lo) for s, (lo, hi) in step.items()],

@@ -25,7 +25,7 @@ from chainspec.engine.draft_types import (
     SeqUpdate,
 )
 from chainspec.engine.graph_runner import GraphRunner, StaticDraftBuffers, default_buckets
-from chainspec.engine.kv_budget import KVBudget, paged_cache
+from chainspec.engine.kv_budget import KVBudget, model_cache
 from chainspec.engine.lookahead import AheadSource, ahead_entry, ahead_window
 from chainspec.engine.observer import DrafterObserver, DraftRoundRecord
 from chainspec.engine.step_clock import StepClock
@@ -75,9 +75,11 @@ class DrafterEngine:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         c = config
-        self.cache, self.allocator = paged_cache(
-            c.num_steps, model.config.num_kv_heads, model.config.head_dim, c.kv, c.max_seqs,
-            c.max_len, self.dtype, self.device)
+        # NOTE: windowed MTP layers keep every position (masked by their window): the
+        # drafter's exact-boundary windows reread history rows, nothing is given back
+        self.cache, self.allocator, _ = model_cache(
+            model.cache_specs(c.num_steps), c.kv, c.max_seqs, c.max_len, 1, 1, self.dtype,
+            self.device, separate_windows=False)
         self.seqs: dict[int, _SeqState] = {}
         self._ahead: list[AheadSource] = []  # asked for by the last update, not yet run
         self.ahead_rounds = 0

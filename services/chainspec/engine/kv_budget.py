@@ -1,19 +1,24 @@
-"""How many KV blocks an engine gets: from a byte budget, a share of free device memory,
-an exact count, or (none given) as many as fixed slots would have reserved.
+"""How a model's cache is sized: full-length KV blocks from a byte budget, a share of
+free device memory, an exact count, or (none given) as many as fixed slots would have
+reserved; windowed groups and recurrent states are bounded per sequence and sized for
+`max_seqs` up front, their bytes taken off the budget first (DESIGN 2.4, 4.9).
 
 One frozen `KVBudget` travels in both engines' configs; each engine turns it into a
-block count once, with its own model's bytes per block.
+cache once, with its own model's cache specs.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from chainspec.engine.block_allocator import BlockAllocator
-from chainspec.models.kv_cache import PagedKVCache, block_bytes
+from chainspec.engine.kv_groups import CacheClaims
+from chainspec.models.cache_spec import CacheSpec, PagedSpec, StateSpec
+from chainspec.models.kv_cache import ModelKVCache
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -23,7 +28,7 @@ class KVBudget:
     memory_bytes: int | None = None  # --kv-cache-memory: KV bytes over all layers
     fraction: float | None = None  # share of free device memory (CUDA only)
     block_size: int = DEFAULT_BLOCK_SIZE
-    blocks: int | None = None  # an exact block count (tests, benchmarks)
+    blocks: int | None = None  # an exact full-length block count (tests, benchmarks)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -39,24 +44,71 @@ class KVBudget:
             raise ValueError("give one of kv_cache_memory, kv_cache_fraction and blocks")
 
     def num_blocks(self, per_block: int, max_seqs: int, max_len: int,
-                   device: torch.device) -> int:
-        """Blocks that fit the budget (at least one)."""
+                   device: torch.device, fixed_bytes: int = 0) -> int:
+        """Full-length blocks that fit the budget after `fixed_bytes` (at least one)."""
         if self.blocks is not None:
             return self.blocks
+        reserved = max_seqs * math.ceil(max_len / self.block_size)  # what fixed slots held
+        if per_block == 0:  # no full-length layer: the table only numbers positions
+            return reserved
         if self.memory_bytes is not None:
-            return max(1, self.memory_bytes // per_block)
+            return max(1, (self.memory_bytes - fixed_bytes) // per_block)
         if self.fraction is not None and device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            return max(1, int(free * self.fraction) // per_block)
-        return max_seqs * math.ceil(max_len / self.block_size)  # what fixed slots reserved
+            return max(1, (int(free * self.fraction) - fixed_bytes) // per_block)
+        return reserved
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What each group of a model's cache needs, before any tensor exists."""
+
+    full_block_bytes: int  # one full-length block over all full-length layers
+    window_blocks: dict[int, int]  # window -> pool blocks for max_seqs sequences
+    window_bytes: int
+    state_rows: int
+    state_bytes: int  # every slot's kept rows over all recurrent layers
+
+    @classmethod
+    def of(cls, specs: Sequence[CacheSpec], block_size: int, max_seqs: int, max_rows: int,
+           state_rows: int, dtype: torch.dtype, separate_windows: bool) -> CacheLayout:
+        paged = [s for s in specs if isinstance(s, PagedSpec)]
+        windowed = [s for s in paged if s.window is not None and separate_windows]
+        full = [s for s in paged if s not in windowed]
+        window_blocks = {s.window: max_seqs * s.blocks_per_seq(block_size, max_rows)
+                         for s in windowed}
+        window_bytes = sum(window_blocks[s.window] * s.bytes_per_block(block_size, dtype)
+                           for s in windowed)
+        states = [s for s in specs if isinstance(s, StateSpec)]
+        return cls(sum(s.bytes_per_block(block_size, dtype) for s in full), window_blocks,
+                   window_bytes, state_rows,
+                   max_seqs * sum(s.bytes_per_seq(state_rows, dtype) for s in states))
+
+
+def model_cache(specs: Sequence[CacheSpec], budget: KVBudget, max_seqs: int, max_len: int,
+                max_rows: int, state_rows: int, dtype: torch.dtype, device: torch.device,
+                separate_windows: bool = True
+                ) -> tuple[ModelKVCache, BlockAllocator, CacheClaims]:
+    """An engine's cache sized by `budget`, the allocator of its full-length blocks and
+    the pools of its per-sequence claims. `max_rows`: the most rows one sequence writes
+    in a step (its window blocks' bound); `state_rows`: rows of state kept (K+1)."""
+    layout = CacheLayout.of(specs, budget.block_size, max_seqs, max_rows, state_rows, dtype,
+                            separate_windows)
+    fixed = layout.window_bytes + layout.state_bytes
+    blocks = budget.num_blocks(layout.full_block_bytes, max_seqs, max_len, device, fixed)
+    has_states = layout.state_bytes > 0
+    cache = ModelKVCache(specs, {None: blocks, **layout.window_blocks}, budget.block_size,
+                         max_seqs if has_states else 0, state_rows, dtype, device,
+                         separate_windows)
+    claims = CacheClaims(layout.window_blocks, budget.block_size,
+                         max_seqs if has_states else 0)
+    return cache, BlockAllocator(blocks, budget.block_size), claims
 
 
 def paged_cache(num_layers: int, num_kv_heads: int, head_dim: int, budget: KVBudget,
                 max_seqs: int, max_len: int, dtype: torch.dtype, device: torch.device
-                ) -> tuple[PagedKVCache, BlockAllocator]:
-    """An engine's KV cache sized by `budget`, and the allocator of its blocks."""
-    per_block = block_bytes(num_layers, budget.block_size, num_kv_heads, head_dim, dtype)
-    blocks = budget.num_blocks(per_block, max_seqs, max_len, device)
-    cache = PagedKVCache(num_layers, blocks, budget.block_size, num_kv_heads, head_dim, dtype,
-                         device)
-    return cache, BlockAllocator(blocks, budget.block_size)
+                ) -> tuple[ModelKVCache, BlockAllocator]:
+    """A cache of uniform full-attention layers (benchmarks' shapes) and its allocator."""
+    cache, allocator, _ = model_cache([PagedSpec(num_kv_heads, head_dim)] * num_layers,
+                                      budget, max_seqs, max_len, 1, 1, dtype, device)
+    return cache, allocator

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from chainspec.engine.block_allocator import BlockTable
 from chainspec.engine.draft_types import DraftAhead, DraftResult
+from chainspec.engine.kv_groups import SeqClaims
 from chainspec.engine.logprobs import TokenLogprob
 
 
@@ -73,6 +74,7 @@ class Request:
         self.seeded = False
         self.stop = stop
         self.blocks = BlockTable()  # KV blocks holding positions < num_computed (and more)
+        self.claims = SeqClaims(())  # window tables and state slot (the engine sets them)
         self.recompute_len = 0  # after a preemption: committed positions to prefill again
         self.preemptions = 0
         self.group = 0  # pipelined group (VerifierConfig.groups), set at admission

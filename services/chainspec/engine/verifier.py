@@ -36,7 +36,7 @@ from chainspec.engine.draft_types import (
     SeqFailure,
     SeqUpdate,
 )
-from chainspec.engine.kv_budget import KVBudget, paged_cache
+from chainspec.engine.kv_budget import KVBudget, model_cache
 from chainspec.engine.observer import VerifierObserver, VerifierStepRecord
 from chainspec.engine.request import FinishReason, Request, RequestOutput, StopConditions
 from chainspec.engine.sampling import SamplingParams
@@ -90,10 +90,10 @@ class VerifierEngine:
         self.observer = observer  # metrics: told about requests and steps (host values only)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        cfg = model.config
-        self.cache, self.allocator = paged_cache(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.kv, config.max_seqs,
-            config.max_len, self.dtype, self.device)
+        self.cache, self.allocator, self.claims = model_cache(
+            model.cache_specs(), config.kv, config.max_seqs, config.max_len,
+            max(config.prefill_chunk, config.num_steps + 1), config.num_steps + 1,
+            self.dtype, self.device)
         self.preemptions = 0
         self.graphs = VerifyGraphs(model, self.cache, config.max_seqs, config.num_steps,
                                    config.max_len, config.use_graphs)
@@ -137,6 +137,7 @@ class VerifierEngine:
                              f"{self.allocator.block_size})")
         req = Request(request_id, list(prompt), sampling.resolve_seed(), stop,
                       self.config.num_steps)
+        req.claims = self.claims.new()
         req.party, req.priority = admission.party or request_id, admission.priority
         req.seeded = sampling.seed is not None
         self.by_id[request_id] = req
@@ -299,11 +300,14 @@ class VerifierEngine:
             for r in self.running:
                 sizes[r.group] += 1
             req.group = sizes.index(min(sizes))  # the smallest group
+            self.claims.claim(req.claims)
             self.running.append(req)
 
     def _reserve(self, work: list[Work]) -> list[Work]:
         """Blocks for the rows `work` writes; short of them, preempt (module preemption)."""
         work, victims = preemption.reserve(work, self.running, self.allocator)
+        for w in work:  # NOTE: never short: sized for every running sequence
+            self.claims.ensure(w.request.claims, w.start + w.num_rows)
         for req in victims:  # NOTE: victims come newest first: admission order
             self._preempt(req)
         self.preemptions += len(victims)
@@ -313,6 +317,7 @@ class VerifierEngine:
         """`req` leaves the running set to be recomputed later, first in line."""
         self.running.remove(req)
         req.blocks.release(self.allocator)  # NOTE: a no-op for reserve's victims
+        self.claims.release(req.claims)
         preemption.requeue(req)
         self.waiting.insert(0, req)
         if self.drafter is not None:
@@ -330,6 +335,7 @@ class VerifierEngine:
             else:
                 self.running.remove(req)
                 req.blocks.release(self.allocator)
+                self.claims.release(req.claims)
             if self.drafter is not None:
                 self.drafter.release([self.seq_ids[req.request_id]])
             del self.by_id[req.request_id], self.seq_ids[req.request_id]
@@ -343,6 +349,7 @@ class VerifierEngine:
         req = item.request
         if verdict is None:  # a prefill chunk that does not finish the prompt
             req.num_computed += item.num_rows
+            self._advance_claims(req, 0)
             return None
         accepted = verdict.accepted
         if item.kind is WorkKind.VERIFY:
@@ -354,6 +361,7 @@ class VerifierEngine:
             if item.kind is WorkKind.VERIFY else [verdict.next_token]
         req.num_computed = item.start + (accepted + 1 if item.kind is WorkKind.VERIFY
                                          else item.num_rows)
+        self._advance_claims(req, accepted if item.kind is WorkKind.VERIFY else 0)
         req.drafts = self._ahead_drafts(req, item.start, new)
         req.drafts_ahead = req.drafts is not None
         emitted = self._append_until_stop(req, new)
@@ -362,6 +370,12 @@ class VerifierEngine:
         return RequestOutput(req.request_id, tuple(emitted), req.finish_reason,
                              req.stop_string, stats=req.stats if final else None,
                              logprobs=logprobs)
+
+    def _advance_claims(self, req: Request, kept_row: int) -> None:
+        """After a commit: the state after the last committed row is at `kept_row`
+        (DESIGN 4.9: nothing recomputed), and window blocks no row can see go back."""
+        req.claims.state_row = kept_row
+        self.claims.trim(req.claims, req.num_computed, self.config.num_steps)
 
     def _ahead_drafts(self, req: Request, start: int, new: list[int]) -> DraftResult | None:
         """The next round's drafts if the look-ahead for the round at `start` guessed

@@ -11,11 +11,14 @@ import torch
 from chainspec.kernels.triton_support import launcher, triton_available, use_kernel
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write k, v `[T, Hkv, D]` into k_cache, v_cache `[blocks, block_size, Hkv, D]` at
     `slot_mapping` `[T]` (int64, -1 = padding row), in place, cast to the cache dtype.
+    `v` None: a latent cache (values are a view of the keys), only k is written.
     The Triton kernel on CUDA tensors, the torch reference elsewhere."""
+    if v is None:
+        v, v_cache = k, k_cache  # NOTE: writes the keys twice; same values, same slots
     _check(k, v, k_cache, v_cache, slot_mapping)
     if use_kernel(k):
         _store_kv_triton(k, v, k_cache, v_cache, slot_mapping)

@@ -25,7 +25,9 @@ from chainspec.kernels.triton_support import (
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor,
-                    scale: float, plan: ReferencePlan | None = None) -> torch.Tensor:
+                    scale: float, plan: ReferencePlan | None = None, *,
+                    window: int | None = None, sinks: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Attention of packed query rows against a paged cache.
 
     q `[T, Hq, D]`; k_cache, v_cache `[blocks, block_size, Hkv, D]` (Hq = G * Hkv);
@@ -35,6 +37,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     step for every layer; None: made here).
     """
     _check(q, k_cache, v_cache, block_tables, row_seq, positions)
+    if window is not None or sinks is not None or v_cache.shape != k_cache.shape:
+        raise NotImplementedError("paged_attention: sliding windows, sinks and value "
+                                  "widths other than the keys' are not implemented yet")
     if use_kernel(q):
         return _paged_attention_triton(q, k_cache, v_cache, block_tables, row_seq, positions,
                                        scale)
@@ -53,7 +58,7 @@ def attention_plan(block_tables: torch.Tensor, row_seq: torch.Tensor, positions:
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor) -> None:
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"paged_attention: q {tuple(q.shape)}, caches {tuple(k_cache.shape)}"
                          f"/{tuple(v_cache.shape)}")
     if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from chainspec.models.config import TARGET_FAMILIES, ModelConfig
+from chainspec.models.config import ModelConfig
 from chainspec.models.errors import CheckpointError
 from chainspec.models.mtp import MTPGlue
 
@@ -149,6 +149,11 @@ DRAFT_ONLY_BLOCKS = {
 }
 
 
+def _target_architectures() -> list[str]:
+    from chainspec.models.families import registry  # NOTE: families import adapters
+    return list(registry())
+
+
 def architecture_of(hf: dict[str, Any], override: str | None = None) -> str:
     arch = override or (hf.get("architectures") or [None])[0]
     if not arch:
@@ -170,9 +175,10 @@ def adapter_for(hf: dict[str, Any], architecture: str | None = None,
     arch = architecture_of(hf, architecture)
     if arch in ARCHITECTURE_FAMILIES:
         return ADAPTERS[ARCHITECTURE_FAMILIES[arch]]
-    if arch not in TARGET_FAMILIES:
+    targets = _target_architectures()
+    if arch not in targets:
         raise CheckpointError(f"unknown architecture {arch!r}; supported: "
-                              f"{', '.join([*TARGET_FAMILIES, *ARCHITECTURE_FAMILIES])}")
+                              f"{', '.join([*targets, *ARCHITECTURE_FAMILIES])}")
     return DEEPSEEK if DEEPSEEK.num_modules(hf) > 0 else None
 
 
@@ -181,11 +187,12 @@ def draft_config(hf: dict[str, Any], adapter: MTPAdapter,
     """The config of an MTP block: the target's own for target families, otherwise a
     Llama-style block from the hidden/heads/intermediate fields."""
     arch = architecture_of(hf, architecture)
-    if arch in TARGET_FAMILIES:
+    targets = _target_architectures()
+    if arch in targets:
         base = ModelConfig.from_hf(hf, arch)
         return replace(base, num_mtp_layers=adapter.num_modules(hf))
     if arch not in DRAFT_ONLY_BLOCKS:
-        known = [*TARGET_FAMILIES, *DRAFT_ONLY_BLOCKS]
+        known = [*targets, *DRAFT_ONLY_BLOCKS]
         raise CheckpointError(f"unknown architecture {arch!r}; supported for drafting: "
                               f"{', '.join(known)}")
     block = DRAFT_ONLY_BLOCKS[arch]

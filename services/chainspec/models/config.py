@@ -1,7 +1,8 @@
 """Model configuration parsed from a Hugging Face `config.json`.
 
-One frozen dataclass for the target decoder and one for its MTP modules. Unknown
-architectures are rejected here, once, with a clear message.
+One frozen dataclass for the decoder's shape, shared by the target and its MTP modules;
+a family (`models/families/`) parses its own config into it, or into a frozen subclass
+with the family's extra fields. Unknown architectures are rejected once, by name.
 """
 
 from __future__ import annotations
@@ -12,17 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from chainspec.models.errors import CheckpointError
-
-# Target architectures whose decoder this package implements. Each maps to the switches
-# that distinguish the family (q/k/v bias, q/k RMSNorm).
-TARGET_FAMILIES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
-    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
-    # MiMo's target is Qwen2-shaped; only its MTP glue differs.
-    "MiMoForCausalLM": {"qkv_bias": True, "qk_norm": False},
-}
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -125,39 +115,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], architecture: str | None = None) -> ModelConfig:
-        """Parse a HF config dict. `architecture` overrides `architectures[0]`."""
+        """Parse a HF config dict through its family. `architecture` overrides
+        `architectures[0]`."""
+        from chainspec.models.families import family_for
         arch = architecture or (cfg.get("architectures") or [None])[0]
-        if arch not in TARGET_FAMILIES:
-            raise CheckpointError(f"unknown architecture {arch!r}; supported targets: "
-                                  f"{', '.join(TARGET_FAMILIES)}")
-        family = TARGET_FAMILIES[arch]
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        qkv_bias = bool(cfg.get("attention_bias", family["qkv_bias"]))
-        return cls(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            max_position=int(cfg.get("max_position_embeddings", 4096)),
-            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias or family["qkv_bias"],
-            o_bias=bool(cfg.get("attention_bias", False)) and not family["qkv_bias"],
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family["qk_norm"],
-            rope=RopeConfig.from_hf(cfg),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            num_mtp_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0),
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-        )
+        return family_for(arch).parse(cfg, arch)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, architecture: str | None = None) -> ModelConfig:
@@ -167,6 +129,12 @@ class ModelConfig:
         except KeyError as e:
             path = Path(model_dir) / "config.json"
             raise CheckpointError(f"{path}: missing required field {e.args[0]!r}") from e
+
+
+def eos_ids(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """`eos_token_id` of a config (a list, one id or none) as a tuple."""
+    eos = cfg.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:

@@ -12,13 +12,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chainspec.models.cache_spec import CacheSpec, PagedSpec
 from chainspec.models.config import ModelConfig
+from chainspec.models.recurrent import RecurrentAccess
 from chainspec.models.rope import RotaryEmbedding
 
 
 class AttentionBackend(Protocol):
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-               ) -> torch.Tensor: ...
+    """What layers call for this step's attention and states (`models/attention.py`)."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+               *, scale: float | None = None, window: int | None = None,
+               sinks: torch.Tensor | None = None, value_dim: int | None = None
+               ) -> torch.Tensor:
+        """q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] (None: latent, values are k's
+        first `value_dim` channels) -> [T, Hq, Dv]; keys stored for later steps."""
+
+    def recurrent(self, layer: int) -> RecurrentAccess:
+        """A linear-attention layer's view of its sequences' states."""
 
 
 class RMSNorm(nn.Module):
@@ -70,6 +81,9 @@ class Attention(nn.Module):
         self.rotary = [rotary]  # a list: shared, not registered as this layer's submodule
         self.scale = cfg.head_dim ** -0.5
 
+    def cache_spec(self) -> CacheSpec:
+        return PagedSpec(self.num_kv_heads, self.head_dim)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
         rows = x.shape[0]
@@ -79,7 +93,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](q, k, positions)
-        out = backend.attend(self.layer_id, q, k, v)  # [T, Hq, D]
+        out = backend.attend(self.layer_id, q, k, v, scale=self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(rows, -1))
 
 
@@ -92,6 +106,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+
+    def cache_spec(self) -> CacheSpec:
+        return self.self_attn.cache_spec()
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:

@@ -10,15 +10,20 @@ this round; non-chain mode feeds every step h. K steps use L modules: step k run
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from chainspec.kernels.mtp_input import fused_mtp_input
+from chainspec.models.cache_spec import CacheSpec
 from chainspec.models.config import ModelConfig
-from chainspec.models.layers import AttentionBackend, DecoderLayer, RMSNorm
-from chainspec.models.rope import RotaryEmbedding
+from chainspec.models.layers import AttentionBackend, RMSNorm
+
+if TYPE_CHECKING:
+    from chainspec.models.families.base import MTPBlock
 
 
 @dataclass(frozen=True)
@@ -33,13 +38,13 @@ class MTPModule(nn.Module):
     """One MTP module. Attribute names are the canonical (DeepSeek) ones; adapters map
     other families' tensor names onto them."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, glue: MTPGlue) -> None:
+    def __init__(self, cfg: ModelConfig, block: nn.Module, glue: MTPGlue) -> None:
         super().__init__()
         h, eps, offset = cfg.hidden_size, cfg.rms_eps, glue.unit_offset_norms
         self.enorm = RMSNorm(h, eps, offset)
         self.hnorm = RMSNorm(h, eps, offset)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.block = DecoderLayer(cfg, 0, rotary)
+        self.block = block  # the family's MTP decoder layer (its attention kind)
         self.final_norm = RMSNorm(h, eps, offset)
         self.hidden_first = glue.hidden_first
 
@@ -58,26 +63,45 @@ class _StepLayer:
     def __init__(self, backend: AttentionBackend, layer: int) -> None:
         self.backend, self.layer = backend, layer
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-               ) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+               **options) -> torch.Tensor:
         del layer
-        return self.backend.attend(self.layer, q, k, v)
+        return self.backend.attend(self.layer, q, k, v, **options)
+
+    def recurrent(self, layer: int):
+        del layer
+        return self.backend.recurrent(self.layer)
 
 
 class MTPDraftModel(nn.Module):
     """What the drafter loads: shared embedding and LM head plus L MTP modules."""
 
     def __init__(self, cfg: ModelConfig, num_modules: int, glue: MTPGlue,
-                 cache_len: int | None = None) -> None:
+                 cache_len: int | None = None,
+                 block: Callable[[ModelConfig, int | None], MTPBlock] | None = None) -> None:
+        """`block`: the family's MTP decoder layer (default: a Llama-family layer)."""
         super().__init__()
         if num_modules < 1:
             raise ValueError("an MTP draft model needs at least one module")
+        if block is None:
+            from chainspec.models.families.llama import mtp_block as block
         self.config = cfg
         self.glue = glue
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position, cache_len)
+        blocks = [block(cfg, cache_len) for _ in range(num_modules)]
+        # NOTE: registered here so they move with the model; no state (non-persistent)
+        self.rotaries = nn.ModuleList(r for b in blocks for r in b.rotaries)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.mtp = nn.ModuleList(MTPModule(cfg, self.rotary, glue) for _ in range(num_modules))
+        self.mtp = nn.ModuleList(MTPModule(cfg, b.layer, glue) for b in blocks)
+
+    @property
+    def rotary(self) -> nn.Module:
+        """The first module's rotary table."""
+        return self.rotaries[0]
+
+    def cache_specs(self, num_steps: int) -> list[CacheSpec]:
+        """One KV layer per draft step, shaped by the step's module."""
+        return [self.module_for_step(k).block.cache_spec() for k in range(1, num_steps + 1)]
 
     @property
     def num_modules(self) -> int:

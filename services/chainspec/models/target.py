@@ -1,8 +1,9 @@
-"""The target decoder: a Llama-family causal LM over packed rows.
+"""The target decoder over packed rows: a family's stack of layers (DESIGN 2.4).
 
 `forward` returns the exported hidden states h (after the final norm, the tensor the LM
 head reads); `logits` applies the head separately so callers compute logits only for the
-rows they need.
+rows they need. Each layer is an attention kind and an MLP kind; `cache_specs` says what
+each keeps between steps, which is all the engine needs to know about them.
 """
 
 from __future__ import annotations
@@ -10,34 +11,42 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from chainspec.models.cache_spec import CacheSpec
 from chainspec.models.config import ModelConfig
-from chainspec.models.layers import AttentionBackend, DecoderLayer, RMSNorm
-from chainspec.models.rope import RotaryEmbedding
+from chainspec.models.layers import AttentionBackend
 
 
 class DecoderStack(nn.Module):
     """`model.*` in HF naming: embedding, layers, final norm."""
 
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module], norm: nn.Module) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
 
 
 class TargetModel(nn.Module):
     def __init__(self, cfg: ModelConfig, cache_len: int | None = None) -> None:
         super().__init__()
+        from chainspec.models.families import family_for
         self.config = cfg
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position, cache_len)
-        self.model = DecoderStack(cfg, self.rotary)
+        self.family = family_for(cfg.architecture)
+        parts = self.family.build(cfg, cache_len)
+        self.rotaries = nn.ModuleList(parts.rotaries)  # shared tables, moved with the model
+        self.model = DecoderStack(cfg, parts.layers, parts.norm)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def attention_scale(self) -> float:
+        """The default scale of dense backends (each layer passes its own)."""
         return self.config.head_dim ** -0.5
+
+    def cache_specs(self) -> list[CacheSpec]:
+        """One per layer, in layer order (the index is the layer's cache layer)."""
+        return [layer.cache_spec() for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:

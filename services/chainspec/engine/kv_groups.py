@@ -1,0 +1,99 @@
+"""A sequence's claims on the cache beyond its full-length block table (DESIGN 4.9):
+one block table per windowed group, whose blocks below the window go back to the pool
+as the sequence grows, and a recurrent-state slot with the kept row of its committed
+state.
+
+Both are bounded per sequence, so `CacheClaims` sizes their pools for `max_seqs` running
+sequences up front: a running sequence never waits for them, and admission and
+preemption stay about the full-length blocks alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from chainspec.engine.block_allocator import BlockAllocator
+
+
+class WindowTable:
+    """One sequence's blocks in a windowed group, by position; None where given back."""
+
+    def __init__(self) -> None:
+        self.blocks: list[int | None] = []
+
+    @property
+    def held(self) -> int:
+        return sum(b is not None for b in self.blocks)
+
+    def ensure(self, allocator: BlockAllocator, num_tokens: int) -> None:
+        more = allocator.blocks_for(num_tokens) - len(self.blocks)
+        if more <= 0:
+            return
+        got = allocator.allocate(more)
+        if got is None:  # NOTE: the pool holds every running sequence's bound
+            raise RuntimeError("windowed KV pool exhausted: a sequence exceeded its bound")
+        self.blocks.extend(got)
+
+    def trim(self, allocator: BlockAllocator, first_visible: int) -> None:
+        """Give back blocks wholly below position `first_visible`."""
+        for i in range(min(first_visible // allocator.block_size, len(self.blocks))):
+            if self.blocks[i] is not None:
+                allocator.free([self.blocks[i]])
+                self.blocks[i] = None
+
+    def table(self) -> list[int]:
+        """Block ids for a block table (given-back entries read as block 0, never
+        seen: they lie below every row's window)."""
+        return [0 if b is None else b for b in self.blocks]
+
+    def release(self, allocator: BlockAllocator) -> None:
+        allocator.free([b for b in self.blocks if b is not None])
+        self.blocks = []
+
+
+class SeqClaims:
+    """What one running sequence holds besides its full-length blocks."""
+
+    def __init__(self, windows: Iterable[int]) -> None:
+        self.windows = {w: WindowTable() for w in windows}
+        self.state_slot = -1  # -1: none (not running, or the model keeps no state)
+        self.state_row = -1  # kept row with the committed state; -1: start from zero
+
+    def tables(self) -> dict[int, list[int]]:
+        return {w: t.table() for w, t in self.windows.items()}
+
+
+class CacheClaims:
+    """Pools of the windowed groups and the state slots, for `max_seqs` sequences."""
+
+    def __init__(self, window_blocks: dict[int, int], block_size: int, state_slots: int
+                 ) -> None:
+        self.pools = {w: BlockAllocator(n, block_size) for w, n in window_blocks.items()}
+        self._free_slots = list(range(state_slots - 1, -1, -1))
+
+    def new(self) -> SeqClaims:
+        return SeqClaims(self.pools)
+
+    def claim(self, seq: SeqClaims) -> None:
+        """At admission: a state slot (if the model keeps states), from zero."""
+        if self._free_slots and seq.state_slot < 0:
+            seq.state_slot = self._free_slots.pop()
+        seq.state_row = -1
+
+    def ensure(self, seq: SeqClaims, num_tokens: int) -> None:
+        for w, table in seq.windows.items():
+            table.ensure(self.pools[w], num_tokens)
+
+    def trim(self, seq: SeqClaims, next_position: int, num_steps: int) -> None:
+        """After a commit: keep what rows from `next_position` (and K drafts after it)
+        can still see; the rest goes back."""
+        del num_steps  # rows at next_position.. see keys from next_position - W + 1 on
+        for w, table in seq.windows.items():
+            table.trim(self.pools[w], max(0, next_position - w + 1))
+
+    def release(self, seq: SeqClaims) -> None:
+        for w, table in seq.windows.items():
+            table.release(self.pools[w])
+        if seq.state_slot >= 0:
+            self._free_slots.append(seq.state_slot)
+        seq.state_slot, seq.state_row = -1, -1

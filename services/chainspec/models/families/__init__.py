@@ -1,0 +1,25 @@
+"""The supported model families, by checkpoint architecture (one file per family)."""
+
+from __future__ import annotations
+
+from chainspec.models.errors import CheckpointError
+from chainspec.models.families.base import Family
+
+
+def _families() -> tuple[Family, ...]:
+    from chainspec.models.families import llama
+    return (*llama.FAMILIES,)
+
+
+def registry() -> dict[str, Family]:
+    """Architecture name -> family."""
+    return {arch: f for f in _families() for arch in f.architectures}
+
+
+def family_for(architecture: str | None) -> Family:
+    """The family of an architecture; one line naming it and the supported ones if none."""
+    families = registry()
+    if architecture not in families:
+        raise CheckpointError(f"unknown architecture {architecture!r}; supported "
+                              f"targets: {', '.join(families)}")
+    return families[architecture]
