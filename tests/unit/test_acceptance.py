@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from chainspec.engine.acceptance import (
+    accept_coupled,
     accept_greedy,
     accept_sampled,
+    coupled_noise,
     next_token_distribution,
     residual,
     round_noise,
@@ -16,6 +19,7 @@ from chainspec.engine.sampling import (
     SamplingBatch,
     SamplingParams,
     exponential_noise,
+    sample,
     uniform,
 )
 
@@ -207,6 +211,78 @@ def test_round_noise_keys():
     assert u.shape == (2, 3) and e.shape == (2, 6)
     for i in range(3):  # draft i sits at first + i
         torch.testing.assert_close(u[:, i], uniform(seed, NoiseStream.ACCEPT, first + i, 1)[:, 0])
-    torch.testing.assert_close(e, exponential_noise(seed, NoiseStream.SAMPLE, first, 6))
+    torch.testing.assert_close(e, exponential_noise(seed, NoiseStream.RESIDUAL, first, 6))
     u1, e1 = round_noise(seed[1:], first[1:], 3, 6)  # batch composition does not matter
     assert torch.equal(u1, u[1:]) and torch.equal(e1, e[1:])
+
+
+# --- the coupled rule (seeded requests) ------------------------------------------------
+
+def test_coupled_rule_by_hand():
+    rows = t([[P, ROW2, FLAT]])  # [1, 3, 4]
+    noise = t([[[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], [9.0, 9.0, 1.0, 9.0]]])
+    # the target's own choices: row 0 -> 3 (0.4), row 1 -> 0 (0.7), row 2 -> 2 (noise)
+    for drafts, want in (([3, 0], (2, 2)), ([3, 1], (1, 0)), ([1, 0], (0, 3))):
+        n, tok = accept_coupled(rows, t([drafts], torch.long), t([2], torch.long), noise)
+        assert (int(n), int(tok)) == want
+    n, tok = accept_coupled(rows, t([[3, 0]], torch.long), t([1], torch.long), noise)
+    assert (int(n), int(tok)) == (1, 0)  # num_drafts = 1: the choice at row 1 follows
+
+
+def test_coupled_noise_is_keyed_by_absolute_position_only():
+    seed, first = t([4, 9], torch.long), t([1, 30], torch.long)
+    e = coupled_noise(seed, first, 4, 6)  # [2, 4, 6]
+    for i in range(4):  # row i decides position first + i
+        assert torch.equal(e[:, i], exponential_noise(seed, NoiseStream.SAMPLE, first + i, 6))
+    # a later round starting two positions on reads the same noise at the same positions
+    assert torch.equal(coupled_noise(seed[1:], first[1:] + 2, 2, 6)[0], e[1, 2:])
+
+
+VM = 7  # vocabulary of the Markov toy target below
+_E = -torch.rand(VM, VM, generator=torch.Generator().manual_seed(5)).log()
+MARKOV = _E / _E.sum(-1, keepdim=True)  # [V, V]: row x is p(. | x), Dirichlet(1) rows
+
+
+def _plain_keyed(seed: torch.Tensor, first: torch.Tensor, length: int) -> torch.Tensor:
+    """Plain decoding of the toy target p(x_P | x_{P-1}) = MARKOV[x_{P-1}]: x_P is the
+    race with noise (SAMPLE, P). seed, first [S] (x_0 = first) -> [S, length + 1]."""
+    xs = [first]
+    for pos in range(1, length + 1):
+        noise = exponential_noise(seed, NoiseStream.SAMPLE, torch.tensor(pos), VM)
+        xs.append(sample(MARKOV[xs[-1]], noise))
+    return torch.stack(xs, 1)
+
+
+def _speculate(seed, first, length, rng, noise_fn):
+    """Rounds of random K, random num_drafts and random drafts (each right with chance
+    1/2), the batch shuffled every round, decided by `accept_coupled` -> [S, length + 1]."""
+    truth = _plain_keyed(seed, first, 4 * length + 4)  # a round commits at most 4
+    seqs = [[int(x)] for x in first]
+    while min(len(q) for q in seqs) <= length:
+        k = int(rng.integers(0, 4))
+        order = rng.permutation(len(seqs))
+        drafts = torch.tensor([[int(truth[s, len(seqs[s]) + i]) if rng.random() < 0.5
+                                else int(rng.integers(0, VM)) for i in range(k)]
+                               for s in order], dtype=torch.long).view(len(order), k)
+        nd = torch.tensor([int(rng.integers(0, k + 1)) for _ in order])
+        last = torch.tensor([seqs[s][-1] for s in order])
+        rows = torch.cat([last[:, None], drafts], 1)  # [S, K+1]: x[N], d1..dK
+        n_pos = torch.tensor([len(seqs[s]) for s in order])  # N+1 for each sequence
+        noise = noise_fn(seed[order], n_pos, k + 1, VM)
+        n, nxt = accept_coupled(MARKOV[rows], drafts, nd, noise)
+        for row, s in enumerate(order):
+            seqs[s] += drafts[row, :int(n[row])].tolist() + [int(nxt[row])]
+    return torch.tensor([q[:length + 1] for q in seqs])
+
+
+def test_coupled_rule_commits_the_plain_keyed_samples_whatever_the_drafts():
+    seed, first = torch.arange(24) * 1_000_003 - 7, torch.arange(24) % VM
+    plain = _plain_keyed(seed, first, 30)
+    got = _speculate(seed, first, 30, np.random.default_rng(0), coupled_noise)
+    assert torch.equal(got, plain)
+    assert len(set(plain[:, 1:].flatten().tolist())) == VM  # really sampled
+
+    def by_round_start(seed, first_pos, rows, v):  # the bug the rule fixes
+        return coupled_noise(seed, first_pos, 1, v).expand(-1, rows, -1)
+    broken = _speculate(seed, first, 30, np.random.default_rng(0), by_round_start)
+    assert not torch.equal(broken, plain)  # the check has power

@@ -18,7 +18,7 @@ import torch
 
 from chainspec.engine import acceptance
 from chainspec.engine.acceptance import accept_sampled, round_noise
-from chainspec.engine.sampling import NoiseStream, draft_topk, exponential_noise
+from chainspec.engine.sampling import draft_topk
 from tests.unit.stats import chi_square_two_sample, chi_square_vs_expected
 
 V, K, TOP_K, N = 6, 2, 3, 60_000
@@ -48,8 +48,8 @@ EXACT = (P1[:, None] * P2).double().numpy()  # [V, V] joint of (x1, x2)
 def _draft(mode: str, q: torch.Tensor, seed: torch.Tensor, pos: int):
     """Draft at position `pos` from q [N, V] -> token [N], support, probs as sent."""
     k = V if mode == "point_mass" else TOP_K
-    noise = exponential_noise(seed, NoiseStream.DRAFT, torch.tensor(pos), k)
-    token, support, probs = draft_topk(q.log(), torch.ones(len(seed)), noise)
+    token, support, probs = draft_topk(q.log(), torch.ones(len(seed)), seed, torch.tensor(pos),
+                                       k)
     if mode == "point_mass":  # drafts sampled from q, verified as point masses
         return token, None, None
     if mode == "unnormalized_q":  # bug: q over the top-k support before renormalizing
@@ -76,7 +76,7 @@ def speculative_pairs(mode: str, base_seed: int, n: int = N) -> torch.Tensor:
     j, nxt = _round(mode, seed, 1, rows, [d1, d2])
     x1 = torch.where(j >= 1, d1[0], nxt)
     # Sequences that rejected draft 1 committed x1 only: a second round from position 2.
-    # NOTE: it redrafts position 2 with the same DRAFT key as round 1's unused d2.
+    # NOTE: it redrafts position 2 with the same SAMPLE key as round 1's unused d2.
     e1 = _draft(mode, Q2[x1], seed, 2)
     rows2 = torch.stack([P2[x1], P2[e1[0]]], 1)  # [n, 2, V]
     j2, nxt2 = _round(mode, seed, 2, rows2, [e1])

@@ -1,15 +1,19 @@
 """End-to-end losslessness under sampling: through the real verifier and drafter, the joint
 distribution of the first two generated tokens is the same with and without speculation,
-for point-mass and top-k draft distributions; a broken acceptance rule is caught."""
+for point-mass and top-k draft distributions, for seeded requests (the coupled rule) and
+unseeded ones (Leviathan's); a broken acceptance rule is caught."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
+from unittest import mock
 
 import pytest
 import torch
 
-from chainspec.engine import acceptance
+from chainspec.engine import acceptance, verify_batch
 from chainspec.engine.request import StopConditions
 from chainspec.engine.runner import run_to_completion
 from chainspec.engine.sampling import SamplingParams
@@ -36,14 +40,24 @@ def pair():
     return target, draft
 
 
-def first_two(eng, seed_base: int) -> collections.Counter:
+def unseeded_drawing(seeds):
+    """Requests sent without a seed draw theirs from `seeds` at admission (reproducible
+    tests of the unseeded path)."""
+    it = iter(seeds)
+    return mock.patch.object(SamplingParams, "resolve_seed", lambda self: self if
+                             self.seed is not None else dataclasses.replace(self, seed=next(it)))
+
+
+def first_two(eng, seed_base: int, seeded: bool = True) -> collections.Counter:
     """Counts of (x1, x2); also records how many drafts were proposed and accepted."""
     counts: collections.Counter = collections.Counter()
     stop = StopConditions(max_tokens=2)
     eng.drafted = eng.accepted = 0
     for b in range(0, REQUESTS, BATCH):
-        params = [SamplingParams(temperature=1.0, seed=seed_base + b + i) for i in range(BATCH)]
-        result = run_to_completion(eng, [PROMPT] * BATCH, params, stop)
+        seeds = [seed_base + b + i for i in range(BATCH)]
+        params = [SamplingParams(temperature=1.0, seed=s if seeded else None) for s in seeds]
+        with contextlib.nullcontext() if seeded else unseeded_drawing(seeds):
+            result = run_to_completion(eng, [PROMPT] * BATCH, params, stop)
         counts.update(tuple(c.tokens) for c in result.completions)
         eng.drafted += sum(c.stats.draft_tokens for c in result.completions)
         eng.accepted += sum(c.stats.accepted_tokens for c in result.completions)
@@ -60,14 +74,15 @@ def plain_counts(pair):
     return first_two(engine(target, max_seqs=BATCH), seed_base=10_000_000)
 
 
+@pytest.mark.parametrize("seeded", [True, False])
 @pytest.mark.parametrize("sampled_drafts,top_k,groups", [(False, 4, 1), (True, 3, 1),
                                                          (True, 3, 2)])
 def test_speculative_sampling_matches_plain(pair, plain_counts, sampled_drafts, top_k,
-                                            groups) -> None:
+                                            groups, seeded) -> None:
     target, draft = pair
     eng = engine(target, draft, k=2, max_seqs=BATCH, top_k=top_k,
                  sampled_drafts=sampled_drafts, groups=groups)
-    spec = first_two(eng, seed_base=0)
+    spec = first_two(eng, seed_base=0, seeded=seeded)
     # x2 was decided by a verify round for every request, and drafts were really at stake:
     assert eng.drafted == 2 * REQUESTS
     assert 0.05 * eng.drafted < eng.accepted < 0.9 * eng.drafted
@@ -80,7 +95,20 @@ def test_broken_rule_is_detected(pair, plain_counts, monkeypatch) -> None:
     monkeypatch.setattr(acceptance, "draft_acceptance", lambda p, q, u: torch.ones_like(p,
                         dtype=torch.bool))
     eng = engine(target, draft, k=2, max_seqs=BATCH, top_k=3, sampled_drafts=True)
-    spec = first_two(eng, seed_base=0)
+    spec = first_two(eng, seed_base=0, seeded=False)
+    assert chi_square_two_sample(table(spec), table(plain_counts)) < 1e-6
+
+
+def _accept_every_draft(probs, drafts, num_drafts, noise):
+    choice = acceptance.sample(probs, noise)  # [B, K+1]
+    return num_drafts, choice.gather(1, num_drafts[:, None]).squeeze(1)
+
+
+def test_broken_coupled_rule_is_detected(pair, plain_counts, monkeypatch) -> None:
+    target, draft = pair
+    monkeypatch.setattr(verify_batch, "accept_coupled", _accept_every_draft)
+    eng = engine(target, draft, k=2, max_seqs=BATCH, top_k=3, sampled_drafts=True)
+    spec = first_two(eng, seed_base=0, seeded=True)
     assert chi_square_two_sample(table(spec), table(plain_counts)) < 1e-6
 
 

@@ -13,6 +13,7 @@ from chainspec.engine.sampling import (
     SamplingParams,
     draft_topk,
     exponential_noise,
+    exponential_noise_at,
     sample,
     target_probs,
     uniform,
@@ -145,7 +146,7 @@ def test_noise_ranges_and_stream_independence():
     assert chi_square_vs_expected(counts.numpy(), [1 / 32] * 32) > 1e-3
     other = uniform(seeds, NoiseStream.ACCEPT, torch.tensor(3), 256)
     assert abs(torch.corrcoef(torch.stack([u.flatten(), other.flatten()]))[0, 1]) < 0.02
-    e = exponential_noise(seeds, NoiseStream.DRAFT, torch.tensor(3), 256)
+    e = exponential_noise(seeds, NoiseStream.RESIDUAL, torch.tensor(3), 256)
     assert e.min() > 0 and abs(e.mean().item() - 1) < 0.03
 
 
@@ -158,6 +159,14 @@ def test_noise_is_a_function_of_seed_stream_position_index():
     assert not torch.equal(a, uniform(torch.tensor([5, 9, 5]), 1, torch.tensor([2, 2, 3]), 8))
     hi = uniform(torch.tensor([5 + 2 ** 40]), 0, torch.tensor([2]), 8)
     assert not torch.equal(a[0], hi[0])  # the seed's upper 32 bits matter
+
+
+def test_noise_read_at_indices_equals_the_full_width_noise():
+    seed, pos = torch.tensor([5, -9, 2 ** 40]), torch.tensor([2, 7, 3])
+    index = torch.tensor([[0, 63, 5], [17, 17, 1], [62, 2, 40]])
+    full = exponential_noise(seed, NoiseStream.SAMPLE, pos, 64)  # [3, 64]
+    assert torch.equal(exponential_noise_at(seed, NoiseStream.SAMPLE, pos, index),
+                       full.gather(1, index))
 
 
 def test_same_seed_same_tokens_regardless_of_batch():
@@ -200,21 +209,35 @@ def test_sample_frequencies_match_probs():
 
 def test_draft_topk_support_and_renormalized_probs():
     logits = torch.tensor([[math.log(x) for x in (0.1, 0.4, 0.2, 0.3)]] * 2)
-    noise = torch.ones(2, 2)
-    token, support, probs = draft_topk(logits, torch.tensor([1.0, 0.0]), noise)
+    pos = torch.tensor([5, 5])
+    token, support, probs = draft_topk(logits, torch.tensor([1.0, 0.0]), torch.tensor([3, 3]),
+                                       pos, 2)
     assert support.tolist() == [[1, 3], [1, 3]]
     close(probs[0], [4 / 7, 3 / 7])
     close(probs[1], [1.0, 0.0])  # greedy row: point mass on the top token
-    assert token.tolist() == [1, 1]
-    token, _, _ = draft_topk(logits, torch.tensor([1.0, 0.0]), torch.tensor([[9.0, 1e-3]] * 2))
-    assert token.tolist() == [3, 1]  # noise steers the sampled row, never the greedy one
+    picks = {tuple(draft_topk(logits, torch.tensor([1.0, 0.0]), torch.tensor([s, s]), pos,
+                              2)[0].tolist()) for s in range(40)}
+    assert picks == {(1, 1), (3, 1)}  # noise steers the sampled row, never the greedy one
+
+
+def test_draft_is_the_targets_race_over_the_truncated_q():
+    """The coupling: the draft is argmax(q / E) over the whole vocabulary with the very
+    noise the target races with at that position (q zero off the top-k support)."""
+    v, n = 50, 256
+    logits = torch.randn(n, v, generator=torch.Generator().manual_seed(0))
+    seed, pos = torch.arange(n) * 7919 - 100, torch.arange(n) % 13 + 1
+    token, support, probs = draft_topk(logits, torch.full((n,), 0.8), seed, pos, 8)
+    q = torch.zeros(n, v).scatter(1, support, probs)  # [n, V]
+    race = sample(q, exponential_noise(seed, NoiseStream.SAMPLE, pos, v))
+    assert torch.equal(token, race)
+    assert len(set(token.tolist())) > 20  # really sampled
 
 
 def test_draft_topk_temperature_and_frequencies():
     logits = torch.tensor([0.0, math.log(2), math.log(4), -5.0])
     n = 20_000
-    noise = exponential_noise(torch.arange(n), NoiseStream.DRAFT, torch.tensor(4), 3)
-    token, support, probs = draft_topk(logits.expand(n, 4), torch.full((n,), 2.0), noise)
+    token, support, probs = draft_topk(logits.expand(n, 4), torch.full((n,), 2.0),
+                                       torch.arange(n), torch.tensor(4), 3)
     r2 = math.sqrt(2)
     close(probs[0], [2 / (3 + r2), r2 / (3 + r2), 1 / (3 + r2)])
     assert support[0].tolist() == [2, 1, 0]

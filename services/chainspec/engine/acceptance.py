@@ -4,10 +4,16 @@ Pure functions of tensors: no host sync, no loop over the batch. Draft i (0-base
 position N+1+i and is checked against target row i; row j = accepted_len gives the next
 token. Sequences with fewer drafts pass num_drafts [B] (padding entries may hold anything).
 
-Sampled rule (Leviathan et al. 2023, Chen et al. 2023): accept d_i with probability
-min(1, p(d_i) / q(d_i)); at the first rejection draw from normalize(max(p - q, 0)); after
-all drafts are accepted draw the bonus from p. q is a point mass on d_i (greedy drafts:
-`draft_support` None) or a top-k-truncated distribution given as support/probs [B, K, k].
+Coupled rule (seeded requests, `accept_coupled`): the target's choice at each row is its
+own exponential race with noise keyed by (seed, position); a draft is accepted iff it is
+that choice, so the committed tokens never depend on the drafts (docs/design.md,
+"Seeded requests").
+
+Sampled rule (Leviathan et al. 2023, Chen et al. 2023; unseeded requests): accept d_i
+with probability min(1, p(d_i) / q(d_i)); at the first rejection draw from
+normalize(max(p - q, 0)); after all drafts are accepted draw the bonus from p. q is a point
+mass on d_i (greedy drafts: `draft_support` None) or a top-k-truncated distribution given
+as support/probs [B, K, k].
 `accept_greedy` and `accept_sampled` dispatch to one Triton launch (kernels/acceptance.py)
 on CUDA when that module's ENABLED is set (off: measured slower, see there), and to the
 `*_reference` torch code here otherwise; the reference is the kernel's oracle.
@@ -39,6 +45,26 @@ def accept_greedy_reference(target: torch.Tensor, drafts: torch.Tensor,
     valid = torch.arange(k, device=drafts.device)[None, :] < num_drafts[:, None]  # [B, K]
     accepted_len = _prefix_len(valid & (drafts == top[:, :k]))  # [B]
     return accepted_len, top.gather(1, accepted_len[:, None]).squeeze(1)
+
+
+def accept_coupled(target_probs: torch.Tensor, drafts: torch.Tensor,
+                   num_drafts: torch.Tensor, noise: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The coupled rule: the target's choice at row i is its own race c_i = argmax(p_i / E_i)
+    with E_i keyed (SAMPLE, N+1+i) (`coupled_noise`); accept d_i while d_i == c_i, and the
+    next token is c_j. So the committed tokens are the plain keyed samples, whatever the
+    drafts were. target_probs [B, K+1, V]; drafts [B, K]; num_drafts [B];
+    noise Exp(1) [B, K+1, V] -> accepted_len [B], next_token [B]."""
+    return accept_greedy(sample(target_probs, noise), drafts, num_drafts)
+
+
+def coupled_noise(seed: torch.Tensor, first_pos: torch.Tensor, rows: int,
+                  vocab_size: int) -> torch.Tensor:
+    """Noise of `accept_coupled`: seed [B] int64, first_pos [B] = N+1 -> Exp(1)
+    [B, rows, V], row i keyed (SAMPLE, N+1+i): the absolute position the row decides,
+    never the batch slot, the round or K."""
+    positions = first_pos[:, None] + torch.arange(rows, device=first_pos.device)  # [B, rows]
+    return exponential_noise(seed[:, None], NoiseStream.SAMPLE, positions, vocab_size)
 
 
 def accept_sampled(target_probs: torch.Tensor, drafts: torch.Tensor,
@@ -105,14 +131,15 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def round_noise(seed: torch.Tensor, first_pos: torch.Tensor, num_slots: int,
                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Noise for one verify round. seed [B] int64; first_pos [B] = N+1, the position of
-    draft 1 (and of the next token when there are no drafts) -> accept_uniform [B, K]
-    keyed (ACCEPT, N+1+i), sample_noise [B, V] keyed (SAMPLE, N+1).
+    """Noise for one Leviathan verify round. seed [B] int64; first_pos [B] = N+1, the
+    position of draft 1 (and of the next token when there are no drafts) ->
+    accept_uniform [B, K] keyed (ACCEPT, N+1+i), sample_noise [B, V] keyed (RESIDUAL, N+1).
     NOTE: the next token lands at N+1+j but its noise is keyed by N+1, known before
-    acceptance; rounds start at strictly increasing positions, so no key is reused."""
+    acceptance; rounds start at strictly increasing positions, so no key is reused. Drafts
+    race on SAMPLE, so both streams are independent of them."""
     positions = first_pos[:, None] + torch.arange(num_slots, device=first_pos.device)
     accept_u = uniform(seed[:, None], NoiseStream.ACCEPT, positions, 1).squeeze(-1)
-    return accept_u, exponential_noise(seed, NoiseStream.SAMPLE, first_pos, vocab_size)
+    return accept_u, exponential_noise(seed, NoiseStream.RESIDUAL, first_pos, vocab_size)
 
 
 def _prefix_len(ok: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ class Window:
     hidden: torch.Tensor  # [R, H]: h[w0 .. w0+R-1]
     tokens: torch.Tensor  # [R] int64: x[w0+1 .. w0+R]
     temperature: float = 0.0  # 0 = greedy drafts
-    seed: int = 0  # keys the noise of sampled drafts (NoiseStream.DRAFT)
+    seed: int = 0  # keys the noise of sampled drafts (NoiseStream.SAMPLE)
 
     @property
     def num_rows(self) -> int:

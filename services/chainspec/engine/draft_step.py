@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from chainspec.engine.draft_batch import DraftBatch
-from chainspec.engine.sampling import NoiseStream, draft_topk, exponential_noise
+from chainspec.engine.sampling import draft_topk
 from chainspec.engine.step_clock import StepClock
 from chainspec.models.attention import PagedAttention
-from chainspec.models.kv_cache import PagedKVCache
+from chainspec.models.kv_cache import ModelKVCache
 from chainspec.models.mtp import MTPDraftModel
 
 
@@ -23,7 +23,7 @@ class DraftOutput:
     chain: torch.Tensor  # [S, K, H]: g[k] at each sequence's last row (draft-ahead input)
 
 
-def draft_round(model: MTPDraftModel, cache: PagedKVCache, batch: DraftBatch, num_steps: int,
+def draft_round(model: MTPDraftModel, cache: ModelKVCache, batch: DraftBatch, num_steps: int,
                 chain: bool, top_k: int, clock: StepClock | None = None) -> DraftOutput:
     """Run steps 1..K. Step k reads tokens[row_tok + k - 1] and g[k-1] (chain) or h, and
     writes its draft at tokens[last_tok + k] for step k+1 to read. `clock` (never while
@@ -42,8 +42,8 @@ def draft_round(model: MTPDraftModel, cache: PagedKVCache, batch: DraftBatch, nu
         logits = model.logits(step, last)  # [S, V]
         if batch.any_sampled:
             draft_pos = batch.attn.positions[batch.last_row] + 1 + step  # [S]: d'_k's position
-            noise = exponential_noise(batch.seed, NoiseStream.DRAFT, draft_pos, top_k)
-            token, support, prob = draft_topk(logits, batch.temperature, noise)
+            token, support, prob = draft_topk(logits, batch.temperature, batch.seed,
+                                              draft_pos, top_k)
         else:  # all greedy: the top token, no distribution to report
             token = logits.argmax(dim=-1)
             support = prob = None

@@ -30,9 +30,11 @@ class NoiseStream(IntEnum):
     """Independent noise streams of one request. Each (stream, position) is consumed by
     at most one committed decision (docs/design.md, "Sampling and acceptance")."""
 
-    SAMPLE = 0  # next-token race (plain decode, residual, bonus), keyed by round's first position
-    ACCEPT = 1  # acceptance uniform of the draft at that position
-    DRAFT = 2  # drafter's race over the top-k support of the draft at that position
+    # the target's own race at that position (plain decode, the coupled rule's choice at
+    # each row), and the drafter's race over its top-k support there (read at its ids)
+    SAMPLE = 0
+    ACCEPT = 1  # Leviathan: acceptance uniform of the draft at that position
+    RESIDUAL = 2  # Leviathan: residual/bonus race, keyed by the round's first position
 
 
 @dataclass(frozen=True)
@@ -205,11 +207,18 @@ def uniform(seed: torch.Tensor, stream: int, position: torch.Tensor,
             width: int) -> torch.Tensor:
     """U(0, 1) noise [*S, width] float32, a pure function of (seed, stream, position, index).
     seed, position: int64, broadcastable to [*S]. 23-bit resolution, never 0 or 1."""
+    return uniform_at(seed, stream, position, torch.arange(width, device=seed.device))
+
+
+def uniform_at(seed: torch.Tensor, stream: int, position: torch.Tensor,
+               index: torch.Tensor) -> torch.Tensor:
+    """`uniform` read at the given indices only: index int64 [*S, W] (or [W]) in
+    [0, 2**32) -> [*S, W], equal to uniform(..., width)[..., index] for any width."""
     key = _mix32((seed & _U32) ^ 0x9E3779B9)
     key = _mix32(key ^ ((seed >> 32) & _U32) ^ ((int(stream) + 1) * 0x85EBCA77 & _U32))
     key = _mix32(key ^ (position & _U32))  # [*S]
-    index = _mul32(torch.arange(width, device=key.device), 0x9E3779B9)  # [width], Weyl step
-    bits = _mix32((key[..., None] + index) & _U32)  # [*S, width]
+    step = _mul32(index.to(key.device), 0x9E3779B9)  # [*S, W], Weyl step
+    bits = _mix32((key[..., None] + step) & _U32)  # [*S, W]
     return ((bits >> 9).float() + 0.5) * 2.0 ** -23
 
 
@@ -219,21 +228,32 @@ def exponential_noise(seed: torch.Tensor, stream: int, position: torch.Tensor,
     return -uniform(seed, stream, position, width).log()
 
 
-def draft_topk(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor
+def exponential_noise_at(seed: torch.Tensor, stream: int, position: torch.Tensor,
+                         index: torch.Tensor) -> torch.Tensor:
+    """`exponential_noise` read at the given indices only (see `uniform_at`)."""
+    return -uniform_at(seed, stream, position, index).log()
+
+
+def draft_topk(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
+               position: torch.Tensor, top_k: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Draft distribution q truncated to its top k = noise.shape[-1] tokens and renormalized,
-    after draft temperature; rows with temperature 0 get a point mass on the top token.
-    logits [R, V], temperature [R], noise Exp(1) [R, k] ->
+    """Draft distribution q truncated to its top k tokens and renormalized, after draft
+    temperature; rows with temperature 0 get a point mass on the top token. The draft is
+    the race over that support with the target's own noise at the draft's position
+    (SAMPLE stream, read at the support's token ids), so where q is close to p the draft
+    is the token the target picks there (the coupled rule, engine/acceptance.py).
+    logits [R, V], temperature [R], seed [R] int64, position [R] (the draft's) ->
     token [R] int64, support [R, k] int64 (descending), probs [R, k] float32 (q over support).
     """
-    k = min(noise.shape[-1], logits.shape[-1])
+    k = min(top_k, logits.shape[-1])
     greedy = temperature <= 0  # [R]
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)
     top_logits, support = (logits.float() / temp[:, None]).topk(k, dim=-1)  # [R, k]
     point = torch.zeros_like(top_logits)
     point[:, 0] = 1.0
     probs = torch.where(greedy[:, None], point, top_logits.softmax(dim=-1))  # [R, k]
-    pick = sample(probs, noise[:, :k])  # [R]
+    noise = exponential_noise_at(seed, NoiseStream.SAMPLE, position, support)  # [R, k]
+    pick = sample(probs, noise)  # [R]
     return support.gather(1, pick[:, None]).squeeze(1), support, probs
 
 

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from chainspec.engine.acceptance import accept_greedy, accept_sampled, round_noise
+from chainspec.engine.acceptance import (
+    accept_coupled,
+    accept_greedy,
+    accept_sampled,
+    coupled_noise,
+    round_noise,
+)
 from chainspec.engine.logits_processors import LogitsProcessing, WindowRequest
 from chainspec.engine.logprobs import TokenLogprob, host_logprobs, window_logprobs
 from chainspec.engine.sampling import SamplingBatch
@@ -126,16 +132,33 @@ def _window_request(w: Work, eos_ids: frozenset[int]) -> WindowRequest:
 
 
 def _accept_sampled(logits, drafts, num_drafts, work, params):
+    """Seeded requests take the coupled rule (their tokens are the plain keyed samples,
+    whatever the drafts), the others Leviathan's (docs/design.md, "Seeded requests")."""
     sampling = SamplingBatch.from_params(params, logits.device)
     probs = sampling.target_probs(logits)  # [B, K+1, V]
+    first_pos = torch.tensor([w.start + w.num_rows if w.kind is WorkKind.PREFILL
+                              else w.start + 1 for w in work], device=logits.device)
+    seeded = [w.request.seeded for w in work]
+    coupled = None
+    if any(seeded):
+        noise = coupled_noise(sampling.seed, first_pos, drafts.shape[1] + 1, logits.shape[-1])
+        coupled = accept_coupled(probs, drafts, num_drafts, noise)
+        if all(seeded):
+            return coupled
+    leviathan = _accept_leviathan(probs, drafts, num_drafts, work, sampling.seed, first_pos)
+    if coupled is None:
+        return leviathan
+    mask = torch.tensor(seeded, device=logits.device)  # [B]
+    return tuple(torch.where(mask, c, lv) for c, lv in zip(coupled, leviathan, strict=True))
+
+
+def _accept_leviathan(probs, drafts, num_drafts, work, seed, first_pos):
     k = drafts.shape[1]
     support = probs_q = None
     if k and any(w.request.drafts is not None and w.request.drafts.support is not None
                  for w in work):
-        support, probs_q = _draft_dists(work, k, logits.device)
-    first_pos = torch.tensor([w.start + w.num_rows if w.kind is WorkKind.PREFILL
-                              else w.start + 1 for w in work], device=logits.device)
-    accept_u, noise = round_noise(sampling.seed, first_pos, k, logits.shape[-1])
+        support, probs_q = _draft_dists(work, k, probs.device)
+    accept_u, noise = round_noise(seed, first_pos, k, probs.shape[-1])
     return accept_sampled(probs, drafts, support, probs_q, num_drafts, accept_u, noise)
 
 
