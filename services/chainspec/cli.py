@@ -7,6 +7,8 @@ import argparse
 import importlib
 import sys
 
+from chainspec.commands.help_format import OneLineErrorParser
+
 # Module names under chainspec.commands, in help order.
 COMMANDS = ("generate", "bench", "train_demo", "train_mtp", "drafter", "verifier", "up",
             "status", "scale", "down", "serve", "gateway", "health")
@@ -17,7 +19,7 @@ def _modules() -> dict[str, object]:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(  # NOTE: subparsers inherit its class: one-line errors
         prog="chainspec",
         description="Chained MTP speculative decoding, split into drafter and verifier services.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,8 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return handlers[args.command].run(args)
-    except (ValueError, OSError) as e:
-        print(f"chainspec {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # a usage error: one line, exit 2
+        name = " ".join(filter(None, (args.command, getattr(args, "bench_mode", None))))
+        print(f"chainspec {name}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 

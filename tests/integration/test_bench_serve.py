@@ -193,3 +193,44 @@ def test_idle_tail_keeps_recording_drafters_after_the_last_point(fake) -> None:
                     prompts("a"), False)
     end = out["runs"]["spec"][0]["t_end_s"]
     assert max(t for t, _ in out["drafters_over_time"]) >= end + 1.0
+
+
+def test_points_whose_every_request_fails_are_written_and_marked_failed(fake, tmp_path,
+                                                                        capsys) -> None:
+    """Nothing completes: no latency figure exists, yet the JSON, the markdown and the
+    plots are written, each point marked failed, and the exit code says so."""
+    data = tmp_path / "fail.jsonl"
+    data.write_text('{"prompt": "FAIL"}\n')
+    rc = main(["bench", "serve", "--base-url", fake.url, "--concurrency", "1,2",
+               "--request-rate", "30", "--num-prompts", "3", "--dataset", "jsonl",
+               "--dataset-path", str(data), "--out", str(tmp_path)])
+    assert rc == 1
+    report = json.loads((tmp_path / "serve.json").read_text())
+    points = report["runs"]["spec"]
+    assert [(p["failed"], p["completed"], p["errors"]) for p in points] == [(True, 0, 3)] * 3
+    assert points[0]["ttft_ms"]["p50"] is None and report["error"] is None
+    assert (tmp_path / "serve.md").read_text().count("3 (all: failed)") == 3
+    assert (tmp_path / "throughput_latency.png").stat().st_size > 0
+    assert "plots not written" not in capsys.readouterr().err
+
+
+def test_a_sweep_that_stops_keeps_its_finished_points(fake, monkeypatch, tmp_path,
+                                                      capsys) -> None:
+    """The stack lost before the plain run: the spec points stay, with the reason."""
+    async def scale(client, n, args) -> None:
+        raise RuntimeError("`chainspec scale drafters 0` failed (1): stack gone")
+
+    async def autoscale_spec(args: list[str]) -> str | None:
+        return None
+
+    monkeypatch.setattr(stack, "scale_drafters", scale)
+    monkeypatch.setattr(stack, "autoscale_spec", autoscale_spec)
+    rc = main(["bench", "serve", "--base-url", fake.url, "--concurrency", "1",
+               "--num-prompts", "2", "--compare-plain", "--no-plots", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "serve.json").read_text())
+    assert rc == 1 and report["runs"]["spec"][0]["completed"] == 2
+    assert "stack gone" in report["error"] and "plain" not in report["runs"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "stopped early" in err[-1] and "stack gone" in err[-1]
+    assert "Traceback" not in "".join(err)
+    assert "The sweep stopped early" in (tmp_path / "serve.md").read_text()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 
 class LoadKind(enum.Enum):
@@ -41,8 +42,8 @@ class SLO:
     def __post_init__(self) -> None:
         for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"SLO {name} must be > 0, got {value}")
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"SLO {name} must be a number > 0, got {value}")
 
     @classmethod
     def parse(cls, items: list[str]) -> SLO:
@@ -50,9 +51,13 @@ class SLO:
         limits: dict[str, float] = {}
         for item in items:
             name, sep, value = item.partition(":")
-            if not sep or name not in ("ttft", "tpot", "e2e"):
-                raise ValueError(f"--goodput {item!r}: expected ttft:MS, tpot:MS or e2e:MS")
-            limits[f"{name}_ms"] = float(value)
+            try:
+                if not sep or name not in ("ttft", "tpot", "e2e"):
+                    raise ValueError
+                limits[f"{name}_ms"] = float(value)
+            except ValueError:
+                raise ValueError(f"--goodput {item!r}: expected ttft:MS, tpot:MS or "
+                                 "e2e:MS") from None
         return cls(**limits)
 
     def as_dict(self) -> dict[str, float]:
@@ -74,11 +79,28 @@ class SweepConfig:
     idle_tail_s: float = 0.0  # drafters sampled this long after the last point (scale-in)
 
     def __post_init__(self) -> None:
+        check_base_url(self.base_url)
         if not self.points:
             raise ValueError("give at least one load point (--concurrency or --request-rate)")
         if self.requests_per_point < 1:
             raise ValueError(f"--num-prompts must be >= 1, got {self.requests_per_point}")
         if self.warmup_requests < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup_requests}")
-        if self.idle_tail_s < 0:
-            raise ValueError(f"--idle-tail must be >= 0, got {self.idle_tail_s}")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ValueError(f"--timeout must be a number of seconds > 0, got {self.timeout_s}")
+        if not (self.idle_tail_s >= 0 and math.isfinite(self.idle_tail_s)):
+            raise ValueError(f"--idle-tail must be a number of seconds >= 0, "
+                             f"got {self.idle_tail_s}")
+
+
+def check_base_url(url: str) -> None:
+    """`http(s)://host[:port][/prefix]`, without `/v1` (the client adds it)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises for a port that is not a number)
+    except ValueError as e:
+        raise ValueError(f"--base-url {url!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--base-url {url!r}: expected http://HOST:PORT or https://HOST:PORT")
+    if parts.path.rstrip("/").endswith("/v1"):
+        raise ValueError(f"--base-url {url!r}: leave out /v1 (requests go to /v1/...)")

@@ -32,12 +32,20 @@ class Dataset:
 
 def heldout(model_dir: Path, output_len: int) -> Dataset:
     """`heldout_prompts.json` of a chainspec model directory (the demo model ships one)."""
+    check_output_len(output_len)
     path = Path(model_dir) / "heldout_prompts.json"
     try:
         prompts = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read held-out prompts {path}: {e}") from None
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"{path}: expected a JSON list of prompt strings")
     return Dataset(f"heldout:{path}", tuple(BenchRequest(p, output_len) for p in prompts))
+
+
+def check_output_len(output_len: int) -> None:
+    if output_len < 1:
+        raise ValueError(f"--output-len must be >= 1, got {output_len}")
 
 
 def random_tokens(vocab_size: int, input_len: int, output_len: int, range_ratio: float,
@@ -64,17 +72,28 @@ def random_tokens(vocab_size: int, input_len: int, output_len: int, range_ratio:
 def jsonl(path: Path, output_len: int) -> Dataset:
     """One JSON object a line: `{"prompt": str | [ids], "max_tokens"?: int}`; lines
     without `max_tokens` get `output_len`."""
+    check_output_len(output_len)
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--dataset-path {path}: cannot read it: "
+                         f"{getattr(e, 'strerror', None) or e}") from None
     requests = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
             prompt = row["prompt"]
+            if isinstance(prompt, list):
+                prompt = tuple(int(t) for t in prompt)
+            max_tokens = int(row.get("max_tokens", output_len))
         except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{path}:{i}: expected a JSON object with a \"prompt\"") from None
-        if isinstance(prompt, list):
-            prompt = tuple(int(t) for t in prompt)
-        requests.append(BenchRequest(prompt, int(row.get("max_tokens", output_len)),
+            raise ValueError(f"{path}:{i}: expected a JSON object with a \"prompt\" (text "
+                             "or token ids) and an optional integer \"max_tokens\"") from None
+        if not isinstance(prompt, (str, tuple)) or max_tokens < 1:
+            raise ValueError(f"{path}:{i}: \"prompt\" must be text or token ids and "
+                             "\"max_tokens\" >= 1")
+        requests.append(BenchRequest(prompt, max_tokens,
                                      len(prompt) if isinstance(prompt, tuple) else None))
     return Dataset(f"jsonl:{path}", tuple(requests))

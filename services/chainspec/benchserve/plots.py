@@ -53,13 +53,17 @@ def throughput_latency(plt, report: dict[str, Any], path: Path) -> Path:
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # every point failed: nothing to label
+            ax.legend(fontsize=8)
     fig.suptitle("throughput vs latency", fontsize=10)
     return _save(plt, fig, path)
 
 
 def _curve(ax, points: list[dict[str, Any]], key: str, color: str, ls: str, marker: str,
            label: str) -> None:
+    points = [p for p in points if p[key]["p50"] is not None]  # a failed point: no figures
+    if not points:
+        return
     xs = [p["output_throughput"] for p in points]
     ys = [p[key]["p50"] for p in points]
     ax.plot(xs, ys, ls, marker=marker, color=color, label=label)
@@ -75,7 +79,7 @@ def percentiles(plt, report: dict[str, Any], path: Path) -> Path:
             color, ls = STYLES.get(mode, STYLES["run"])
             labels = [p["load"]["label"] for p in points]
             for pct, marker in (("p50", "o"), ("p90", "s"), ("p99", "^")):
-                ax.plot(labels, [p[key][pct] for p in points], ls, marker=marker,
+                ax.plot(labels, [_nan(p[key][pct]) for p in points], ls, marker=marker,
                         color=color, alpha=0.9 if pct == "p50" else 0.55,
                         label=f"{mode} {pct}")
         ax.set_xlabel("load")
@@ -84,6 +88,11 @@ def percentiles(plt, report: dict[str, Any], path: Path) -> Path:
         ax.legend(fontsize=7, ncol=2)
     fig.suptitle("latency percentiles by load", fontsize=10)
     return _save(plt, fig, path)
+
+
+def _nan(value: float | None) -> float:
+    """A failed point's missing figure as a gap in the line."""
+    return float("nan") if value is None else value
 
 
 def acceptance(plt, report: dict[str, Any], path: Path) -> Path:

@@ -26,7 +26,8 @@ def point_row(p: dict[str, Any]) -> str:
     return (f"| {p['load']['label']} | {_f(p['request_throughput'], 2)} | "
             f"{_f(p['output_throughput'])} | {_f(p['goodput'], 2)} | {_trio(p['ttft_ms'])} | "
             f"{_trio(p['tpot_ms'])} | {_trio(p['itl_ms'])} | {_trio(p['e2e_ms'])} | "
-            f"{p['errors']} | {_f(spec.get('acceptance_length'), 2)} |")
+            f"{p['errors']}{' (all: failed)' if p.get('failed') else ''} | "
+            f"{_f(spec.get('acceptance_length'), 2)} |")
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -35,13 +36,16 @@ def markdown(report: dict[str, Any]) -> str:
              f"Dataset {report['dataset']}, {report['requests_per_point']} requests per "
              f"point; SLOs {report['slo'] or 'none'}. AL: acceptance length (tokens per "
              "drafted round) from the verifiers' spec-decode counters over the point.", ""]
+    if report.get("error"):
+        lines += [f"**The sweep stopped early**: {report['error']}", ""]
     for mode, points in report["runs"].items():
         lines += [f"## {mode}", "", HEADER, "|" + "---|" * (HEADER.count("|") - 1)]
         lines += [point_row(p) for p in points] + [""]
     if {"spec", "plain"} <= set(report["runs"]):
         lines += ["## spec / plain", "", "| load | out tok/s ratio | TPOT p50 ratio | "
                   "e2e p50 ratio |", "|---|---|---|---|"]
-        for s, p in zip(report["runs"]["spec"], report["runs"]["plain"], strict=True):
+        # NOTE: a sweep that stopped early has fewer plain points than spec ones
+        for s, p in zip(report["runs"]["spec"], report["runs"]["plain"], strict=False):
             lines.append(f"| {s['load']['label']} | "
                          f"{_ratio(s['output_throughput'], p['output_throughput'])} | "
                          f"{_ratio(s['tpot_ms']['p50'], p['tpot_ms']['p50'])} | "

@@ -121,9 +121,10 @@ async def _chainspec(*argv: str) -> str:
                                                 stderr=subprocess.STDOUT)
     out, _ = await proc.communicate()
     text = out.decode(errors="replace")
-    if proc.returncode != 0:
+    if proc.returncode != 0:  # its last line says why (`chainspec X: ...`)
+        why = next((line for line in reversed(text.splitlines()) if line.strip()), "")
         raise RuntimeError(f"`chainspec {' '.join(argv)}` failed ({proc.returncode}): "
-                           f"{text[-2000:]}")
+                           f"{why.strip()[-500:]}")
     return text
 
 

@@ -47,6 +47,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: SLO) -> 
         "requests": len(results),
         "completed": len(done),
         "errors": len(results) - len(done),
+        "failed": not done,  # every request of the point failed: no figures
         "error_kinds": dict(Counter(r.error for r in results if not r.ok)),
         "duration_s": duration_s,
         "output_tokens": out_tokens,

@@ -8,6 +8,7 @@ import json
 
 from chainspec.bench import BenchOptions, format_report, run_bench
 from chainspec.commands import bench_serve
+from chainspec.commands.help_format import DefaultsHelpFormatter
 from chainspec.commands.model_args import add_model_args, local_options
 
 
@@ -23,7 +24,7 @@ def add_parser(sub) -> list[str]:
     modes = p.add_subparsers(dest="bench_mode", metavar="{serve}")
     bench_serve.add_arguments(modes.add_parser(
         "serve", help="load-test an OpenAI-compatible server", description=bench_serve.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter))
+        formatter_class=DefaultsHelpFormatter))
     return ["bench"]
 
 
