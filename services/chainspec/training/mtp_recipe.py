@@ -24,11 +24,17 @@ class MTPRecipe:
 
     def __post_init__(self) -> None:
         if self.num_mtp < 1 or self.seq_len <= self.num_mtp + 1:
-            raise ValueError("need >= 1 MTP module and seq_len > num_mtp + 1")
-        if self.batch_size < 1 or self.grad_accum < 1 or self.workers < 1:
-            raise ValueError("batch_size, grad_accum and workers must be >= 1")
+            raise ValueError(f"need >= 1 MTP module and seq_len > num_mtp + 1, got "
+                             f"num_mtp {self.num_mtp}, seq_len {self.seq_len}")
+        if self.schedule.steps < 1:
+            raise ValueError(f"steps must be >= 1 (0 would write untrained modules), "
+                             f"got {self.schedule.steps}")
+        if min(self.batch_size, self.grad_accum, self.workers, self.continue_tokens) < 1:
+            raise ValueError(f"batch_size, grad_accum, workers and continue_tokens must be "
+                             f">= 1, got {self.batch_size}, {self.grad_accum}, {self.workers} "
+                             f"and {self.continue_tokens}")
         if not 0 < self.held_out_percent < 100:
-            raise ValueError("held_out_percent must be in 1..99")
+            raise ValueError(f"held_out_percent must be in 1..99, got {self.held_out_percent}")
 
     @property
     def tokens_per_step(self) -> int:
@@ -54,4 +60,8 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         if self.log_every < 1 or self.checkpoint_every < 0 or self.keep_checkpoints < 1:
-            raise ValueError("log_every >= 1, checkpoint_every >= 0, keep_checkpoints >= 1")
+            raise ValueError(f"need log_every >= 1, checkpoint_every >= 0, keep_checkpoints "
+                             f">= 1, got {self.log_every}, {self.checkpoint_every}, "
+                             f"{self.keep_checkpoints}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")

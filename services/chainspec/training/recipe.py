@@ -6,6 +6,7 @@ seconds for tests.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from chainspec.models.config import ModelConfig, RopeConfig
@@ -55,8 +56,11 @@ class StageSchedule:
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.steps < 0 or self.lr <= 0 or self.warmup_steps < 0:
-            raise ValueError(f"bad stage schedule {self}")
+        if self.steps < 0 or self.warmup_steps < 0:
+            raise ValueError(f"steps and warmup_steps must be >= 0, got {self.steps} and "
+                             f"{self.warmup_steps}")
+        if not (0 < self.lr < math.inf):  # NOTE: NaN fails every comparison
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,12 @@ class EvalSettings:
     prompts: int = 20  # self-speculation prompts
     prompt_len: int = 96
     max_new_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        if min(self.windows, self.loss_windows, self.prompts, self.max_new_tokens) < 1 \
+                or self.prompt_len < 2:
+            raise ValueError("evaluation windows, prompts and new tokens must be >= 1, the "
+                             f"prompt length >= 2; got {self}")
 
 
 @dataclass(frozen=True)

@@ -45,11 +45,16 @@ def latest(folder: Path) -> Path | None:
 
 def load(path: Path, model: TargetWithMTP, recipe: MTPRecipe) -> StageState:
     blob = torch.load(path, map_location=model.device, weights_only=False)
-    saved = {"workers": 1, **blob["recipe"]}  # checkpoints from before `workers`
+    check_recipe(path, blob["recipe"], recipe)
+    model.draft.mtp.load_state_dict(blob["mtp"], strict=True)
+    rows = [LogRow(**r) for r in blob["rows"]]
+    return StageState(blob["step"], blob["optimizer"], blob["sampler"].cpu(), rows)
+
+
+def check_recipe(path: Path, saved: dict, recipe: MTPRecipe) -> None:
+    """A checkpoint resumes only the recipe that wrote it (ValueError naming the fields)."""
+    saved = {"workers": 1, **saved}  # checkpoints from before `workers`
     if saved != recipe.as_dict():
         changed = sorted(k for k, v in recipe.as_dict().items() if saved.get(k) != v)
         raise ValueError(f"{path}: written by a different recipe (differs in "
                          f"{', '.join(changed)}); resume with the same options")
-    model.draft.mtp.load_state_dict(blob["mtp"], strict=True)
-    rows = [LogRow(**r) for r in blob["rows"]]
-    return StageState(blob["step"], blob["optimizer"], blob["sampler"].cpu(), rows)

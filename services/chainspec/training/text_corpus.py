@@ -15,6 +15,7 @@ directory) or `name:index` (records, paragraphs).
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,17 @@ class TextCorpus:
     prompts: CorpusSplit  # prompts the target continues (empty unless JSONL has them)
 
 
+def check_spec(spec: str) -> None:
+    """ValueError unless SPEC names a corpus `read_corpus` can read (cheap: reads nothing)."""
+    path = Path(spec)
+    if spec != "stdlib" and not path.is_dir() and not path.is_file():
+        raise ValueError(f"--data {spec}: not 'stdlib', a directory or a file")
+    if path.is_file() and not os.access(path, os.R_OK):
+        raise ValueError(f"--data {spec}: cannot read it")
+
+
 def read_corpus(spec: str, held_out_percent: int) -> TextCorpus:
+    check_spec(spec)
     if spec == "stdlib":
         return TextCorpus(load_split(held_out_percent=held_out_percent), _split("", [], 1))
     path = Path(spec)
@@ -41,8 +52,6 @@ def read_corpus(spec: str, held_out_percent: int) -> TextCorpus:
                                                               errors="replace"))
                 for p in sorted(path.rglob("*")) if p.suffix in TEXT_SUFFIXES and p.is_file()]
         return TextCorpus(_split(spec, docs, held_out_percent), _split(spec, [], 1))
-    if not path.is_file():
-        raise ValueError(f"--data {spec}: not 'stdlib', a directory or a file")
     if path.suffix == ".jsonl":
         return _read_jsonl(path, held_out_percent)
     text = path.read_text(encoding="utf-8", errors="replace")

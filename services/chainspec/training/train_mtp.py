@@ -17,6 +17,7 @@ from chainspec.models.tokenizer import Tokenizer
 from chainspec.training import evaluate, mtp_card, mtp_export, resume
 from chainspec.training.batches import WindowSampler, consecutive_windows
 from chainspec.training.distill import distill_stage
+from chainspec.training.mtp_checks import check_job
 from chainspec.training.mtp_data import TokenData, tokenize
 from chainspec.training.mtp_model import TargetWithMTP
 from chainspec.training.mtp_recipe import MTPRecipe, RunSettings
@@ -58,7 +59,7 @@ def build_model(job: MTPJob) -> TargetWithMTP:
     target = load_target(job.target, dtype=dtype, device=job.settings.device)
     model = TargetWithMTP(target, job.recipe.num_mtp)
     model.draft.mtp.to(device=job.settings.device, dtype=torch.float32)
-    model.draft.rotary.to(job.settings.device)
+    model.draft.rotaries.to(job.settings.device)
     model.init_mtp(job.recipe.seed)
     return model
 
@@ -127,7 +128,9 @@ def measure(job: MTPJob, data: TokenData
 
 
 def train_mtp(job: MTPJob) -> MTPReport:
-    """One process, or `recipe.workers` Ray Train workers (`ray_launch`)."""
+    """One process, or `recipe.workers` Ray Train workers (`ray_launch`), once every
+    argument has been checked (`mtp_checks`: before any corpus or model is loaded)."""
+    check_job(job)
     if job.recipe.workers > 1:
         from chainspec.training.ray_launch import train_on_ray
         return train_on_ray(job)
