@@ -19,7 +19,8 @@ TOKEN_ENV = "CHAINSPEC_AUTH_TOKEN"  # read when set and neither token flag is gi
 
 def add_token_args(p: argparse.ArgumentParser) -> None:
     token = p.add_mutually_exclusive_group()
-    token.add_argument("--token-file", type=Path, help="file holding the shared token")
+    token.add_argument("--token-file", type=Path, help="file holding the shared token "
+                                                       "(default: none, see --token-env)")
     token.add_argument("--token-env", metavar="NAME",
                        help=f"environment variable holding the shared token "
                             f"(default: {TOKEN_ENV} when set)")

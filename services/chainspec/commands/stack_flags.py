@@ -13,6 +13,7 @@ that run one engine or service in their own process (`drafter`, `verifier`, `gen
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 import yaml
 
 from chainspec.cluster.autoscale import AutoscalePolicy
-from chainspec.cluster.config import ROLES, StackConfig
+from chainspec.cluster.config import ROLES, DrafterRoleConfig, RoleConfig, StackConfig
 from chainspec.commands.server_args import add_token_args, read_token
 from chainspec.engine.admission import SchedulingPolicy
 from chainspec.engine.options import DTYPES, DrafterMode
@@ -67,10 +68,12 @@ STACK_FLAGS = (
     StackFlag("max_len", ("--max-len",), {"type": int, "help": "context length per slot"}),
     StackFlag("dtype", ("--dtype",), {"choices": sorted(DTYPES)}),
     StackFlag("kv_cache_memory", ("--kv-cache-memory",),
-              {"type": int, "metavar": "BYTES", "help": "each verifier's paged KV cache, bytes"}),
+              {"type": int, "metavar": "BYTES", "help": "each verifier's paged KV cache, bytes "
+                                                  "(default: what its slots need)"}),
     StackFlag("kv_cache_fraction", ("--kv-cache-fraction",),
               {"type": float, "metavar": "F",
-               "help": "paged KV cache as a share of free device memory (CUDA)"}),
+               "help": "paged KV cache as a share of free device memory (CUDA; "
+                       "default: off)"}),
     StackFlag("kv_block_size", ("--kv-block-size",),
               {"type": int, "help": "positions per KV block (default 16)"}),
     StackFlag("draft_top_k", ("--draft-top-k",),
@@ -107,7 +110,8 @@ STACK_FLAGS = (
     StackFlag("drafter.replicas", ("--drafters",),
               {"type": drafter_count, "metavar": "N|auto:MIN-MAX",
                "help": "drafter actors: a fixed count, or auto:MIN-MAX to let the "
-                       "controller scale them with the load (drafter.autoscale)"}),
+                       "controller scale them with the load (drafter.autoscale; default: "
+                       "1, 0 in drafter mode local)"}),
     StackFlag("verifier.replicas", ("--verifiers",), {"type": int, "help": "verifier actors"}),
     StackFlag("drafter.num_gpus", ("--drafter-gpus",),
               {"type": float, "help": "GPUs per drafter (0: CPU)"}),
@@ -121,7 +125,8 @@ def add_stack_args(p: argparse.ArgumentParser,
     """`--config`, every `STACK_FLAGS` row (plus `aliases`: key -> extra names) and the
     token flags. Every flag defaults to None: unset flags leave the file's value."""
     p.add_argument("--config", type=Path,
-                   help="config file (YAML or JSON, schema in docs/design.md); flags override")
+                   help="config file (YAML or JSON, schema in docs/design.md); flags "
+                        "override (default: none, every value's default)")
     add_flags(p, aliases=aliases)
     add_token_args(p)
 
@@ -135,9 +140,22 @@ def add_flags(p: argparse.ArgumentParser, keys: Sequence[str] | None = None,
         flag = rows[key]
         names = (*flag.names, *(aliases or {}).get(flag.key, ()))
         options = dict(flag.options)
+        if "action" not in options:  # --help shows StackConfig's default
+            options["help"] = with_default(options.get("help"), flag.key)
         if "action" not in options and "choices" not in options:
             options.setdefault("metavar", flag.names[-1].lstrip("-").replace("-", "_").upper())
         p.add_argument(*names, dest=flag.dest, default=None, **options)
+
+
+def with_default(text: str | None, key: str) -> str | None:
+    """`text` with " (default: X)", X being StackConfig's default for `key`, unless the
+    text already says its default (or there is no plain default to show)."""
+    role, _, name = key.rpartition(".")
+    cls = {"drafter": DrafterRoleConfig, "verifier": RoleConfig}.get(role, StackConfig)
+    default = {f.name: f.default for f in dataclasses.fields(cls)}[name]
+    if "default" in (text or "") or default in (None, dataclasses.MISSING):
+        return text
+    return f"{text or ''} (default: {getattr(default, 'value', default)})".lstrip()
 
 
 def flags_config(args: argparse.Namespace) -> StackConfig:
