@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from chainspec.models.attention import DenseCausal
+from chainspec.models.mtp import MTPDraftModel
+from chainspec.models.target import TargetModel
 from chainspec.training.mtp_model import TargetWithMTP
 from chainspec.training.objective import greedy_agreement, run_model
 
@@ -107,6 +109,52 @@ def greedy_generate(model: TargetWithMTP, prompt: list[int], max_new: int, eos: 
     while len(generated) < max_new and eos not in generated:
         generated.append(int(_target_forward(model, prompt + generated)[1][-1]))
     return generated
+
+
+@torch.no_grad()
+def simulate_rounds(target: TargetModel, draft: MTPDraftModel, prompts: list[list[int]],
+                    num_steps: int, max_new: int, chain: bool = True) -> Acceptance:
+    """The offline simulation an engine's acceptance must equal (DESIGN 3.5): greedy
+    self-speculation at K = `num_steps` where every round drafts from scratch over the
+    committed prefix (dense target forwards, no cache), no EOS, `max_new` tokens each.
+    Step k uses module (k-1) mod L and reads g[k-1] (chain) or h."""
+    device = target.lm_head.weight.device
+    rounds, accepted = 0, [0] * num_steps
+
+    def forward(tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor(tokens, device=device)
+        hidden = target(ids, torch.arange(len(tokens), device=device),
+                        DenseCausal(1, len(tokens)))
+        return hidden, target.logits(hidden).argmax(-1)
+
+    for prompt in prompts:
+        hidden, argmax = forward(prompt)
+        tokens = prompt + [int(argmax[-1])]
+        while len(tokens) - len(prompt) < max_new:
+            drafts = _drafts(draft, tokens, hidden, num_steps, chain)
+            hidden, argmax = forward(tokens + drafts)
+            bonus_row, j = len(tokens) - 1, 0
+            while j < num_steps and drafts[j] == int(argmax[bonus_row + j]):
+                accepted[j] += 1
+                j += 1
+            rounds += 1
+            tokens = tokens + drafts[:j] + [int(argmax[bonus_row + j])]
+    return Acceptance(rounds, tuple(accepted))
+
+
+def _drafts(draft: MTPDraftModel, tokens: list[int], hidden: torch.Tensor, num_steps: int,
+            chain: bool) -> list[int]:
+    rows = len(tokens) - 1
+    positions = torch.arange(rows, device=hidden.device)
+    backend = DenseCausal(1, rows)
+    h = prev = hidden[:rows]
+    drafts: list[int] = []
+    for k in range(1, num_steps + 1):
+        inputs = torch.tensor((tokens + drafts)[k: k + rows], device=hidden.device)
+        g = draft.step(k, inputs, prev, positions, backend)  # [rows, H]
+        drafts.append(int(draft.logits(k, g[-1:]).argmax(-1)))
+        prev = g if chain else h
+    return drafts
 
 
 def simulate(model: TargetWithMTP, prompts: list[list[int]], max_new: int, eos: int
