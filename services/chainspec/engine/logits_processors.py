@@ -14,6 +14,10 @@ Semantics: presence/frequency penalties count generated tokens only (OpenAI):
 covers prompt + generated tokens: seen logits > 0 are divided by it, others multiplied.
 min_tokens masks EOS (unless ignore_eos) and stop_token_ids to -inf while fewer than
 min_tokens tokens were generated before the row's token.
+
+Finiteness: with SamplingParams' bounds a processed logit is finite or -inf (masked).
+As a backstop against a model's overflow, +inf becomes float32's largest value and NaN
+-inf (that token is never chosen), so no NaN reaches acceptance or logprobs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from chainspec.engine.sampling import SamplingParams
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,7 @@ class LogitsProcessing:
             counts = window_counts(self.counts, drafts, num_drafts)  # [B, K+1, V]
             logits = apply_penalties(logits, counts, self.prompt_seen, self.presence,
                                      self.frequency, self.repetition)
-        return logits
+        return logits.nan_to_num(nan=-math.inf, posinf=_FLOAT32_MAX, neginf=-math.inf)
 
 
 def token_counts(token_lists: Sequence[Sequence[int]], vocab: int,

@@ -24,6 +24,8 @@ _SEED_MIN, _SEED_END = -(1 << 63), 1 << 64
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 MAX_PENALTY = 2.0  # OpenAI's range for presence/frequency penalties
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy (1/T overflows)
+REPETITION_PENALTY = (0.01, 100.0)  # range that keeps penalized logits finite in float32
 
 
 class NoiseStream(IntEnum):
@@ -39,14 +41,16 @@ class NoiseStream(IntEnum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 = greedy; top_k 0 or -1 = off; top_p in (0, 1];
-    seed None = a random seed drawn once by `resolve_seed`.
+    """Per-request sampling. temperature 0 = greedy (and below GREEDY_BELOW, vLLM's rule);
+    top_k 0 or -1 = off; top_p in (0, 1]; seed None = a random seed drawn once by
+    `resolve_seed`.
 
     Logits processing (engine/logits_processors.py; 0 / 1.0 / empty = off):
     presence/frequency_penalty in [-2, 2] over generated tokens (OpenAI); repetition_penalty
-    > 0 over prompt + generated tokens (vLLM/HF); logit_bias token id -> bias in [-100, 100]
-    (a mapping is stored as sorted pairs); min_p in [0, 1] after temperature; min_tokens:
-    EOS and stop token ids are masked until that many tokens were generated.
+    in [0.01, 100] (a range that keeps logits finite) over prompt + generated tokens
+    (vLLM/HF); logit_bias token id -> bias in [-100, 100] (a mapping is stored as sorted
+    pairs); min_p in [0, 1] after temperature; min_tokens: EOS and stop token ids are
+    masked until that many tokens were generated.
     num_logprobs: None = no logprobs; n in [0, 20] = the chosen token's and n alternatives.
     """
 
@@ -64,13 +68,16 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._check_basic()
+        if self.temperature < GREEDY_BELOW:  # NOTE: 1e-45 would make logits / T infinite
+            object.__setattr__(self, "temperature", 0.0)
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
-        r = self.repetition_penalty
-        if not _is_number(r) or not (math.isfinite(r) and r > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        r, (r_lo, r_hi) = self.repetition_penalty, REPETITION_PENALTY
+        if not _is_number(r) or not r_lo <= r <= r_hi:
+            raise ValueError(f"repetition_penalty must be a number in [{r_lo}, {r_hi}], "
+                             f"got {r!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

@@ -10,11 +10,16 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from chainspec.gateway.chat_template import ChatTemplate
 from chainspec.gateway.choices import Shape, read_choice, whole_body
-from chainspec.gateway.client import GenerationSpec, GenerationStream, open_generation
+from chainspec.gateway.client import (
+    GenerationSpec,
+    GenerationStream,
+    open_generation,
+    prompt_only,
+)
 from chainspec.gateway.config import GatewayConfig
 from chainspec.gateway.errors import invalid, overloaded, unavailable
 from chainspec.gateway.fanout import choice_specs, open_all
@@ -22,6 +27,7 @@ from chainspec.gateway.metrics import GatewayMetrics
 from chainspec.gateway.responses import Envelope, Format
 from chainspec.gateway.routing import VerifierPool
 from chainspec.gateway.sse import HEADERS, EventStreamResponse, stream_events
+from chainspec.gateway.strict_json import StrictJSONResponse
 from chainspec.metrics.discovery import http_sd_groups
 
 CLIENT_GONE = 499  # nginx's code for "the client closed the request"
@@ -102,11 +108,17 @@ class Gateway:
             result = await until_disconnected(request, collect(streams, fmt, env, shape))
         finally:
             close()
-        return JSONResponse(result) if result is not None else Response(status_code=CLIENT_GONE)
+        return StrictJSONResponse(result) if result is not None else \
+            Response(status_code=CLIENT_GONE)
 
     async def _open(self, spec: GenerationSpec, fmt: type[Format]) -> GenerationStream:
+        if spec.max_tokens == 0:  # echo alone (schemas allow 0 only then): no verifier
+            return await prompt_only(spec, self.chat.tokenizer, self._max_model_len())
         return await open_generation(self.pool, spec, fmt.prompt_field,
                                      self.config.request_timeout_s, self.config.retry_after_s)
+
+    def _max_model_len(self) -> int | None:
+        return max((i.max_model_len for i in self.pool.model_infos()), default=None) or None
 
     def _admit(self) -> None:
         if self.in_flight >= self.config.max_in_flight:

@@ -2,7 +2,10 @@
 
 - `Content-Type` must be JSON (`application/json` or `application/*+json`; absent is
   taken as JSON), else 415.
-- The bytes must be UTF-8 JSON (RFC 8259): no `NaN`/`Infinity`, else 400.
+- The bytes are decoded with the declared `charset` (`charset=latin-1` bodies read as
+  Latin-1, as their sender meant), UTF-8 when none is declared; a charset that is not a
+  plain text encoding Python knows (`CHARSETS`) is 415 naming it. Then it must be JSON
+  (RFC 8259): no `NaN`/`Infinity`, else 400.
 - Nesting is at most `MAX_DEPTH` levels (deeper: 400, never a RecursionError).
 - An integer of more than `MAX_INT_DIGITS` digits is beyond every field's range (the
   widest on the wire is uint64); it decodes as a float, as JavaScript reads it, so the
@@ -15,6 +18,7 @@ The size limit comes before all this, in `body_limit.BodyLimit`.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from typing import Any
@@ -25,32 +29,57 @@ from chainspec.gateway.errors import field_name, invalid, unsupported_media_type
 
 MAX_DEPTH = 64
 MAX_INT_DIGITS = 20  # len(str(2 ** 64 - 1))
-_LONG_DIGITS = re.compile(rb"\d{%d}" % (MAX_INT_DIGITS + 1))
+_LONG_DIGITS = re.compile(f"[0-9]{{{MAX_INT_DIGITS + 1}}}")
 _SCALARS = {int, float, bool, type(None)}
+
+
+# Python codec names (codecs.lookup(...).name) a body may be declared in; others (say
+# "unicode_escape", "idna", "utf-7") are transforms or oddities no JSON client means.
+CHARSETS = re.compile(r"utf-8|utf-(16|32)(-[lb]e)?|ascii|latin-1|iso8859-\d+|cp125\d")
 
 
 async def read_json(request: Request) -> Any:
     """The body of a JSON request, or APIError (415, 400)."""
-    check_content_type(request.headers.get("content-type"))
-    return decode(await request.body())
+    charset = check_content_type(request.headers.get("content-type"))
+    return decode(await request.body(), charset)
 
 
-def check_content_type(value: str | None) -> None:
+def check_content_type(value: str | None) -> str:
+    """The charset a JSON `Content-Type` declares ("utf-8" if none), or APIError(415)."""
     if value is None:
-        return
-    media = value.split(";", 1)[0].strip().lower()
+        return "utf-8"
+    media, *params = (part.strip() for part in value.split(";"))
+    media = media.lower()
     if media != "application/json" and not (media.startswith("application/")
                                             and media.endswith("+json")):
         raise unsupported_media_type(value)
+    charset = "utf-8"
+    for param in params:
+        key, _, val = param.partition("=")
+        if key.strip().lower() == "charset":
+            charset = _codec(val.strip().strip('"'), value)
+    return charset
 
 
-def decode(raw: bytes) -> Any:
-    """`raw` as JSON within the bounds above, or APIError(400)."""
+def _codec(charset: str, content_type: str) -> str:
     try:
-        text = raw.decode("utf-8-sig")  # a BOM is ignored (RFC 8259 allows it)
+        name = codecs.lookup(charset).name
+    except LookupError:
+        name = ""
+    if not CHARSETS.fullmatch(name):
+        raise unsupported_media_type(content_type, f"charset {charset!r} is not supported "
+                                                   f"(UTF-8, UTF-16/32, Latin-1, ISO 8859 "
+                                                   f"or Windows code pages are)")
+    return name
+
+
+def decode(raw: bytes, charset: str = "utf-8") -> Any:
+    """`raw` (in `charset`) as JSON within the bounds above, or APIError(400)."""
+    try:  # NOTE: a UTF-8 BOM is ignored (RFC 8259 allows it)
+        text = raw.decode("utf-8-sig" if charset == "utf-8" else charset)
     except UnicodeDecodeError as e:
-        raise invalid(None, f"the request body is not UTF-8: {e}") from None
-    wide = _wide_int if _LONG_DIGITS.search(raw) else None  # the common case stays fast
+        raise invalid(None, f"the request body is not {charset.upper()}: {e}") from None
+    wide = _wide_int if _LONG_DIGITS.search(text) else None  # the common case stays fast
     try:
         value = json.loads(text, parse_int=wide, parse_constant=_constant)
     except RecursionError:

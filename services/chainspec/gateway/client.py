@@ -11,13 +11,15 @@ gRPC call, which aborts the request in the verifier and releases it in the draft
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 
-from chainspec.gateway.errors import APIError, from_grpc, unavailable
+from chainspec.gateway.errors import APIError, from_grpc, invalid, unavailable, unsupported
 from chainspec.gateway.routing import VerifierHandle, VerifierPool
+from chainspec.models.tokenizer import Tokenizer
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 
 RETRY_STATUSES = (429, 503)  # a full or draining verifier: the next one may take it
@@ -117,6 +119,36 @@ class GenerationStream:
             self._closed = True
             self.call.cancel()
             self.pool.release(self.handle)
+
+
+class PromptOnlyStream:
+    """A generation of no tokens (echo with max_tokens 0, as vLLM answers it): it finishes
+    with LENGTH at once and no verifier is asked. Reads like a GenerationStream."""
+
+    def __init__(self, request_id: str, prompt_tokens: int) -> None:
+        stats = pb.RequestStats(prompt_tokens=prompt_tokens)
+        self.first = pb.GenerateResponse(request_id=request_id, finished=pb.GenerateFinished(
+            reason=pb.FINISH_REASON_LENGTH, stats=stats))
+
+    async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
+        yield self.first
+
+    def close(self) -> None:
+        pass
+
+
+async def prompt_only(spec: GenerationSpec, tokenizer: Tokenizer | None,
+                      max_model_len: int | None) -> PromptOnlyStream:
+    """The PromptOnlyStream of `spec` (a text prompt; `tokenizer` counts its tokens)."""
+    if tokenizer is None or not isinstance(spec.prompt, str):
+        raise unsupported("max_tokens", "max_tokens = 0 without the model's tokenizer at "
+                                        "the gateway (it counts the echoed prompt's tokens)")
+    # NOTE: encode releases the GIL (Tokenizer.encode); off the event loop for long texts
+    count = len(await asyncio.to_thread(tokenizer.encode, spec.prompt))
+    if max_model_len is not None and count > max_model_len:
+        raise invalid("prompt", f"{count} prompt tokens do not fit the context of "
+                                f"{max_model_len} tokens", "context_length_exceeded")
+    return PromptOnlyStream(spec.request_id, count)
 
 
 async def open_generation(pool: VerifierPool, spec: GenerationSpec, prompt_field: str,

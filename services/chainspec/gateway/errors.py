@@ -63,10 +63,10 @@ def too_large(message: str) -> APIError:
     return APIError(413, message, "invalid_request_error", None, "request_too_large")
 
 
-def unsupported_media_type(content_type: str) -> APIError:
-    return APIError(415, f"the request body must be JSON (Content-Type: application/json), "
-                         f"got {content_type!r}", "invalid_request_error", None,
-                    "unsupported_media_type")
+def unsupported_media_type(content_type: str, why: str | None = None) -> APIError:
+    message = f"Content-Type {content_type!r}: {why}" if why else \
+        f"the request body must be JSON (Content-Type: application/json), got {content_type!r}"
+    return APIError(415, message, "invalid_request_error", None, "unsupported_media_type")
 
 
 def printable(text: str | None) -> str | None:

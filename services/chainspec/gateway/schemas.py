@@ -13,6 +13,12 @@ Types are strict: a boolean is JSON true/false, a number a JSON number (`"yes"`,
 boolean and `"5"`, `true` for a number are 400). Every value is bounded to the range of
 its wire field (`verifier.proto`: uint32 `max_tokens`, `top_k` and token ids, uint64
 `seed`) before `GenerationSpec.message` converts it.
+
+Floats are bounded where the engine's arithmetic stays finite (docs/design.md, "Extreme
+values"): temperature in [0, 2], below `GREEDY_BELOW` (vLLM's 1e-5) it is greedy;
+top_p in (0, 1], min_p in [0, 1], presence/frequency penalties in [-2, 2], logit_bias
+values in [-100, 100], repetition_penalty in `REPETITION_PENALTY`; every other nonzero
+value must be a normal float32 (|x| >= 2**-126, the wire's type): a denormal is 400.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -41,8 +48,24 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 UINT32 = 2 ** 32  # bounds of the wire's integer fields (exclusive)
 UINT64 = 2 ** 64
 
+FLOAT32_TINY = 2.0 ** -126  # float32's smallest normal number (1.1754944e-38)
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy
+# NOTE: repetition divides seen positive logits: with [0.01, 100] and temperature >= 1e-5
+# a processed logit stays below 1e7 x the model's, far inside float32's range
+REPETITION_PENALTY = (0.01, 100.0)
+
+
+def _normal(value: float) -> float:
+    if value != 0 and abs(value) < FLOAT32_TINY:
+        raise ValueError(f"must be 0 or at least {FLOAT32_TINY:.8g} in magnitude (float32's "
+                         f"smallest normal number; smaller values are denormal on the "
+                         f"float32 wire), got {value!r}")
+    return value
+
+
 Int = Annotated[int, Strict()]  # a JSON integer: not true, "5" or 5.0
 Float = Annotated[float, Strict()]  # a JSON number: not true or "0.5"
+Normal = Annotated[float, Strict(), AfterValidator(_normal)]  # and no float32 denormal
 Bool = StrictBool  # JSON true or false only
 TokenId = Annotated[int, Strict(), Field(ge=0, lt=UINT32)]
 
@@ -59,9 +82,9 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: Int | None = Field(None, ge=1, lt=UINT32)
+    max_tokens: Int | None = Field(None, ge=0, lt=UINT32)  # 0: echo only (completions)
     temperature: Float = Field(1.0, ge=0, le=2)
-    top_p: Float = Field(1.0, gt=0, le=1)
+    top_p: Normal = Field(1.0, gt=0, le=1)
     top_k: Int = Field(0, ge=-1, lt=UINT32)
     seed: Int | None = Field(None, ge=0, lt=UINT64)
     stop: list[str] = Field(default_factory=list)
@@ -75,11 +98,12 @@ class _Sampling(BaseModel):
     ignore_eos: Bool = False
     request_id: str | None = Field(None, min_length=1, max_length=128)
     response_format: dict[str, Any] | None = None
-    presence_penalty: Float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: Float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: Float = Field(1.0, gt=0, le=1e6)
-    logit_bias: dict[str, Float] | None = None
-    min_p: Float = Field(0.0, ge=0, le=1)
+    presence_penalty: Normal = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Normal = Field(0.0, ge=-2, le=2)
+    repetition_penalty: Normal = Field(1.0, ge=REPETITION_PENALTY[0],
+                                       le=REPETITION_PENALTY[1])
+    logit_bias: dict[str, Normal] | None = None
+    min_p: Normal = Field(0.0, ge=0, le=1)
     min_tokens: Int = Field(0, ge=0, lt=UINT32)
 
     @field_validator("stop", mode="before")
@@ -95,6 +119,20 @@ class _Sampling(BaseModel):
         if not all(items):
             raise ValueError("stop strings must not be empty")
         return items
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_below(cls, value: float) -> float:
+        return 0.0 if value < GREEDY_BELOW else value
+
+    @field_validator("request_id")
+    @classmethod
+    def _printable(cls, value: str | None) -> str | None:
+        bad = next((i for i, c in enumerate(value or "") if not c.isprintable()), None)
+        if bad is not None:  # NOTE: the id is echoed into the response id and logs
+            raise ValueError(f"must be printable text (no CR, LF or other control "
+                             f"characters), got {value[bad]!r} at index {bad}")
+        return value
 
     @field_validator("stop_token_ids", mode="before")
     @classmethod
@@ -113,19 +151,29 @@ class _Sampling(BaseModel):
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise unsupported("stream_options.continuous_usage_stats",
                               "usage on every chunk")
-        if self.response_format and self.response_format.get("type") != "text":
+        if self.response_format is not None and "type" not in self.response_format:
+            raise invalid("response_format", 'needs a "type" (this server supports '
+                                             '{"type": "text"})')
+        if self.response_format is not None and self.response_format["type"] != "text":
             raise unsupported("response_format", "a structured response format")
+        if self.max_tokens == 0 and not self.prompt_only:
+            raise invalid("max_tokens", "must be >= 1 (0 only with echo on /v1/completions, "
+                                        "which returns the prompt alone)")
         limit = self.output_limit
         if limit is not None and self.min_tokens > limit:
             raise invalid("min_tokens", f"must be <= max_tokens ({limit})")
 
     def processing(self) -> Processing:
-        bias = []
+        bias, keys = [], {}
         for key, value in (self.logit_bias or {}).items():
             if not (key.isascii() and key.isdigit() and int(key) < UINT32):
                 raise invalid(f"logit_bias.{key}", "keys must be token ids")
             if not -100 <= value <= 100:
                 raise invalid(f"logit_bias.{key}", "must be in [-100, 100]")
+            if int(key) in keys:  # "5" and "05": one wire map entry, one bias would be lost
+                raise invalid(f"logit_bias.{key}", f"names token {int(key)} again (as "
+                                                   f"{keys[int(key)]!r} before)")
+            keys[int(key)] = key
             bias.append((int(key), value))
         return Processing(self.presence_penalty, self.frequency_penalty,
                           self.repetition_penalty, tuple(sorted(bias)), self.min_p,
@@ -134,6 +182,11 @@ class _Sampling(BaseModel):
     @property
     def num_logprobs(self) -> int | None:
         return None
+
+    @property
+    def prompt_only(self) -> bool:
+        """Whether max_tokens 0 is allowed (the answer is the echoed prompt alone)."""
+        return False
 
     @property
     def output_limit(self) -> int | None:
@@ -161,6 +214,10 @@ class CompletionRequest(_Sampling):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def prompt_only(self) -> bool:
+        return self.echo  # vLLM: echo with max_tokens 0 returns the prompt
+
     def prompt_value(self) -> str | list[int]:
         """The one prompt, as text or token ids."""
         p = self.prompt
@@ -178,7 +235,7 @@ class CompletionRequest(_Sampling):
 
     @property
     def output_limit(self) -> int:
-        return self.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
 
 class ContentPart(BaseModel):

@@ -12,7 +12,6 @@ generator) -- the gRPC call is cancelled, which aborts the request in the verifi
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -23,13 +22,16 @@ from chainspec.gateway.client import GenerationStream
 from chainspec.gateway.errors import APIError
 from chainspec.gateway.fanout import interleave, merge_stats
 from chainspec.gateway.responses import Envelope, Format, chunk_body, finish_reason
+from chainspec.gateway.strict_json import dumps
 
 DONE = "data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One SSE event; a non-finite float raises APIError (strict_json), which
+    `stream_events` sends as the stream's error event."""
+    return f"data: {dumps(data)}\n\n"
 
 
 async def stream_events(streams: Sequence[GenerationStream], fmt: type[Format],

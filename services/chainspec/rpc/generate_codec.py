@@ -13,9 +13,17 @@ from dataclasses import dataclass
 from chainspec.engine.admission import OWN_PARTY, Admission, SchedulingPolicy, check_priority
 from chainspec.engine.logprobs import TokenLogprob
 from chainspec.engine.request import FinishReason, RequestOutput, RequestStats, StopConditions
-from chainspec.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, SamplingParams
+from chainspec.engine.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    REPETITION_PENALTY,
+    SamplingParams,
+)
 from chainspec.rpc.codec import check_tokens, invalid
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
+
+FLOAT32_TINY = 2.0 ** -126  # float32's smallest normal number
 
 
 @dataclass(frozen=True)
@@ -103,11 +111,14 @@ def _sampling(req: pb.GenerateRequest, vocab: int) -> SamplingParams:
         if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NOTE: false for NaN
             raise invalid(f"sampling.{name}: must be in [-2, 2], got {value}")
     repetition = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
-    if not (math.isfinite(repetition) and repetition > 0):
-        raise invalid(f"sampling.repetition_penalty: must be a finite number > 0, "
-                      f"got {repetition}")
+    lo, hi = REPETITION_PENALTY
+    if not lo <= repetition <= hi:  # NOTE: false for NaN
+        raise invalid(f"sampling.repetition_penalty: must be in [{lo}, {hi}] (penalized "
+                      f"logits stay finite), got {repetition}")
     if not 0 <= s.min_p <= 1:
         raise invalid(f"sampling.min_p: must be in [0, 1], got {s.min_p}")
+    for name in ("top_p", "presence_penalty", "frequency_penalty", "min_p"):
+        _check_normal(f"sampling.{name}", getattr(s, name))
     if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
         raise invalid(f"sampling.logprobs: at most {MAX_LOGPROBS}, got {s.logprobs}")
     return SamplingParams(temperature=s.temperature, top_k=s.top_k,
@@ -126,7 +137,15 @@ def _logit_bias(s: pb.SamplingParams, vocab: int) -> dict[int, float]:
             raise invalid(f"sampling.logit_bias[{tok}]: token id must be < {vocab}")
         if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise invalid(f"sampling.logit_bias[{tok}]: must be in [-100, 100], got {bias}")
+        _check_normal(f"sampling.logit_bias[{tok}]", bias)
     return dict(s.logit_bias)
+
+
+def _check_normal(path: str, value: float) -> None:
+    """A nonzero float32 must be normal (the gateway refuses denormals the same way)."""
+    if value != 0 and abs(value) < FLOAT32_TINY:
+        raise invalid(f"{path}: must be 0 or at least {FLOAT32_TINY:.8g} in magnitude "
+                      f"(a denormal float32), got {value}")
 
 
 def _stop(req: pb.GenerateRequest, limits: GenerateLimits, prompt_len: int) -> StopConditions:
