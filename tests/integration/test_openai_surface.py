@@ -231,6 +231,8 @@ REFUSE = "refuse"
 # (endpoints, parameter, fields sent (or a function of ctx), check)
 ROWS: list[tuple[tuple[str, ...], str, Any, Any]] = [
     ((CMPL, CHAT), "model", {"model": "not-served"}, REFUSE),
+    ((CMPL, CHAT), "priority", {"priority": 0}, greedy),
+    ((CMPL, CHAT), "priority", {"priority": 5}, REFUSE),  # the verifier schedules fcfs
     ((CMPL, CHAT), "max_tokens", {"max_tokens": 3}, tokens(3)),
     ((CHAT,), "max_completion_tokens", {"max_completion_tokens": 2}, tokens(2)),
     ((CMPL, CHAT), "temperature", HOT, hot_differs),
@@ -296,7 +298,7 @@ ON_VALUES: dict[str, Any] = {  # a value that would change the output, per refus
     "structured_outputs": {"regex": "a+"}, "structural_tag": "{}",
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "functions": [{"name": "f"}], "tool_choice": "auto", "function_call": "auto",
-    "documents": [{"text": "d"}], "mm_processor_kwargs": {"a": 1}, "priority": 5,
+    "documents": [{"text": "d"}], "mm_processor_kwargs": {"a": 1},
     "truncate_prompt_tokens": 2, "return_tokens_as_token_ids": True,
     "return_token_ids": True, "detokenize": False, "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "add_special_tokens": False,

@@ -114,7 +114,7 @@ def test_content_type(content_type, ok) -> None:
     ({"prompt": "x", "stop": ["ok", ""]}, "stop"),
     ({"prompt": "x", "stop": 3}, "stop"),
     ({"prompt": "x", "stop": ["s"] * 17}, "stop"),
-    ({"prompt": "x", "n": 17}, "n"),
+    ({"prompt": "x", "n": 257}, "n"),  # the schema's bound (--max-n caps n below it)
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "unknown_field": 1}, "unknown_field"),
     ({"prompt": "x", "best_of": 3}, "best_of"),

@@ -38,6 +38,8 @@ def add_parser(sub) -> list[str]:
     p.add_argument("--port", type=int, default=GatewayConfig.port)
     p.add_argument("--model-name", default="", help="model name clients send")
     p.add_argument("--max-in-flight", type=int, default=GatewayConfig.max_in_flight)
+    p.add_argument("--max-n", type=int, default=GatewayConfig.max_n,
+                   help="most choices (n) per request; more is a 400")
     add_trust_flag(p)
     p.add_argument("--api-key-file", type=Path, help="require this API key "
                                                      "(default: $CHAINSPEC_API_KEY when set)")
@@ -54,6 +56,7 @@ def add_parser(sub) -> list[str]:
 
 def resolve(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(host=args.host, port=args.port, api_key=read_api_key(args),
+                         max_n=args.max_n,
                          model_name=args.model_name, max_in_flight=args.max_in_flight,
                          trust_request_chat_template=bool(args.trust_request_chat_template))
 

@@ -34,7 +34,7 @@ from chainspec.serving.ports import check_ports
 API_KEY_ENV = "CHAINSPEC_API_KEY"
 
 # flag -> gateway key (the stack flags are commands/stack_flags.py's)
-_GATEWAY_FLAGS = {"host": "host", "port": "port", "model_name": "model_name",
+_GATEWAY_FLAGS = {"host": "host", "port": "port", "model_name": "model_name", "max_n": "max_n",
                   "max_in_flight": "max_in_flight",
                   "trust_request_chat_template": "trust_request_chat_template"}
 
@@ -48,6 +48,8 @@ def add_parser(sub) -> list[str]:
     p.add_argument("--host", help="HTTP address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000; 0: any free port)")
     p.add_argument("--model-name", help="model name clients send (default: the directory's)")
+    p.add_argument("--max-n", type=int, help="most choices (n) per request, more is a 400 "
+                                             "(default 16)")
     p.add_argument("--max-in-flight", type=int, help=f"requests in flight, then 429 "
                                                       f"(default: {GatewayConfig.max_in_flight})")
     add_trust_flag(p)

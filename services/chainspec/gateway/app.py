@@ -76,7 +76,8 @@ class Gateway:
         spec = GenerationSpec(f"{prefix}{unique}", prompt, body.output_limit,
                               body.temperature, body.top_p, body.top_k, body.seed,
                               tuple(body.stop), body.ignore_eos, tuple(body.stop_token_ids),
-                              body.include_stop_str_in_output, body.processing())
+                              body.include_stop_str_in_output, body.processing(),
+                              priority=body.priority)
         response_id = f"{prefix}{body.request_id}" if body.request_id else spec.request_id
         return response_id, choice_specs(spec, body.n)
 
@@ -84,6 +85,9 @@ class Gateway:
     async def respond(self, request: Request, fmt: type[Format], response_id: str,
                       specs: list[GenerationSpec], body: Any, model: str,
                       shape: Shape) -> Response:
+        if len(specs) > self.config.max_n:
+            raise invalid("n", f"at most {self.config.max_n} choices per request on this "
+                               f"server (--max-n), got {len(specs)}")
         self._admit()
         try:
             streams = await until_disconnected(

@@ -64,6 +64,8 @@ class GenerationSpec:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str: bool = False
     processing: Processing = field(default_factory=lambda: Processing())
+    priority: int = 0  # admission priority (vLLM's; the verifier's policy decides)
+    parent_request_id: str = ""  # the client request this is one choice of (fanout)
 
 
     def message(self) -> pb.GenerateRequest:
@@ -85,6 +87,7 @@ class GenerationSpec:
         req.stop.include_stop_str_in_output = self.include_stop_str
         self.processing.fill(req.sampling)
         req.stop.ignore_eos = self.ignore_eos
+        req.priority, req.parent_request_id = self.priority, self.parent_request_id
         return req
 
 

@@ -8,6 +8,8 @@ from typing import Any
 
 from chainspec.strict_config import build_strict
 
+MAX_N_LIMIT = 256  # the most choices --max-n may allow (each is a verifier request)
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -23,6 +25,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0  # deadline of one request at the verifier
     refresh_interval_s: float = 1.0  # how often verifiers' health and load are polled
     max_body_bytes: int = 8 * 2 ** 20  # a larger request body is 413, refused unread
+    max_n: int = 16  # choices (`n`) one request may ask for; more is a 400 naming n
     trust_request_chat_template: bool = False  # honour a request's chat_template (vLLM)
 
     def __post_init__(self) -> None:
@@ -40,6 +43,8 @@ class GatewayConfig:
             raise ValueError(f"gateway.max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.request_timeout_s <= 0 or self.refresh_interval_s <= 0:
             raise ValueError("gateway.request_timeout_s and refresh_interval_s must be > 0")
+        if not 1 <= self.max_n <= MAX_N_LIMIT:
+            raise ValueError(f"gateway.max_n must be in [1, {MAX_N_LIMIT}], got {self.max_n}")
         if not isinstance(self.trust_request_chat_template, bool):
             raise ValueError(f"gateway.trust_request_chat_template must be true or false, "
                              f"got {self.trust_request_chat_template!r}")

@@ -89,7 +89,8 @@ _WIRE_FIELDS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p"
                 "sampling.frequency_penalty": "frequency_penalty",
                 "sampling.repetition_penalty": "repetition_penalty",
                 "sampling.logit_bias": "logit_bias", "sampling.min_p": "min_p",
-                "sampling.min_tokens": "min_tokens", "sampling.logprobs": "logprobs"}
+                "sampling.min_tokens": "min_tokens", "sampling.logprobs": "logprobs",
+                "priority": "priority"}
 _WIRE_PATH = re.compile(r"^([a-z_]+(?:\.[a-z_]+)*)(\[\d+\])?(: | )")
 
 

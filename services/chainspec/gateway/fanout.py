@@ -1,5 +1,8 @@
 """`n` > 1: one verifier request per choice, opened together and read interleaved.
 
+Every choice names the client request as its `parent_request_id`, so the verifier counts
+the n sequences as one request's for fair admission (engine/admission.py).
+
 Choice i is its own Generate call with request id `<id>-<i>` and, when the client gave a
 seed, seed `(seed + i) mod 2**64` (vLLM's derivation for parallel sampling), so choice 0
 equals the n = 1 answer with the same seed and the n choices are reproducible. Without a
@@ -23,7 +26,7 @@ def choice_specs(spec: GenerationSpec, n: int) -> list[GenerationSpec]:
     if n == 1:
         return [spec]
     return [dataclasses.replace(
-        spec, request_id=f"{spec.request_id}-{i}",
+        spec, request_id=f"{spec.request_id}-{i}", parent_request_id=spec.request_id,
         seed=None if spec.seed is None else (spec.seed + i) % UINT64) for i in range(n)]
 
 

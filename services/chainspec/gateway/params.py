@@ -52,8 +52,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "function_call": ((None, "none"), "tool calling"),
     "documents": (_OFF_EMPTY, "documents (retrieval chat templates)"),
     "mm_processor_kwargs": (_OFF_EMPTY, "multimodal input"),
-    "priority": ((None, 0), "priority scheduling (requests are served first come, "
-                            "first served)"),
     "truncate_prompt_tokens": (_OFF_NONE, "truncate_prompt_tokens"),
     "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids"),
     "return_token_ids": ((None, False), "return_token_ids"),

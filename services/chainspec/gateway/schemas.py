@@ -37,13 +37,15 @@ from pydantic import (
 )
 
 from chainspec.gateway.client import Processing
+from chainspec.gateway.config import MAX_N_LIMIT
 from chainspec.gateway.errors import APIError, field_name, invalid, unsupported
 from chainspec.gateway.params import REFUSED, check_extras
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20  # alternatives per token (the wire's bound)
-MAX_N = 16  # choices per request: n verifier requests run at once
+MAX_N = MAX_N_LIMIT  # choices per request (n verifier requests); GatewayConfig.max_n caps it
+INT32 = 2 ** 31  # bound of the wire's priority (exclusive, both signs)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 UINT32 = 2 ** 32  # bounds of the wire's integer fields (exclusive)
 UINT64 = 2 ** 64
@@ -92,6 +94,7 @@ class _Sampling(BaseModel):
                                           max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: Bool = False
     n: Int = Field(1, ge=1, le=MAX_N)
+    priority: Int = Field(0, ge=-INT32, lt=INT32)  # vLLM's: lower first (verifier policy)
     best_of: Int | None = None
     stream: Bool = False
     stream_options: StreamOptions | None = None
