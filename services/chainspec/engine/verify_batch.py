@@ -25,7 +25,7 @@ from chainspec.engine.sampling import SamplingBatch
 from chainspec.engine.schedule import Work, WorkKind
 from chainspec.engine.verify_graphs import VerifyGraphs, verify_forward
 from chainspec.models.attention import AttnBatch, SeqRows
-from chainspec.models.kv_cache import PagedKVCache
+from chainspec.models.kv_cache import ModelKVCache
 from chainspec.models.target import TargetModel
 
 
@@ -49,7 +49,7 @@ class StepResult:
         return self.hidden[start:start + rows].float().cpu()
 
 
-def run_verify(model: TargetModel, cache: PagedKVCache, work: Sequence[Work],
+def run_verify(model: TargetModel, cache: ModelKVCache, work: Sequence[Work],
                device: torch.device, graphs: VerifyGraphs | None = None,
                eos_ids: frozenset[int] = frozenset()) -> StepResult:
     """Forward all rows of `work`, then accept/sample for the items that commit. Decode and
@@ -69,17 +69,26 @@ def run_verify(model: TargetModel, cache: PagedKVCache, work: Sequence[Work],
     return StepResult(hidden, tuple(offsets), tuple(verdicts))
 
 
-def _packed_forward(model: TargetModel, cache: PagedKVCache, work: Sequence[Work],
+def _packed_forward(model: TargetModel, cache: ModelKVCache, work: Sequence[Work],
                     device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Rows packed back to back (prefill chunks, and everything when not captured)."""
-    batch = AttnBatch.build([SeqRows(w.request.blocks.blocks, w.start, w.num_rows)
-                             for w in work], cache.block_size, device)
+    batch = AttnBatch.build([seq_rows(w) for w in work], cache.block_size, device,
+                            windows=cache.windows, with_states=cache.has_states)
     ids = torch.tensor([t for w in work for t in w.tokens], device=device)
     offsets, total = [], 0
     for w in work:
         offsets.append(total)
         total += w.num_rows
     return verify_forward(model, cache, ids, batch), tuple(offsets)
+
+
+def seq_rows(w: Work) -> SeqRows:
+    """A work item's rows and its sequence's cache claims. A verify window keeps the
+    state after every row; a prefill chunk or plain decode row only after its last."""
+    claims = w.request.claims
+    return SeqRows(w.request.blocks.blocks, w.start, w.num_rows, claims.tables(),
+                   claims.state_slot, claims.state_row if w.start else -1,
+                   w.kind is WorkKind.VERIFY)
 
 
 def _decide(model: TargetModel, hidden: torch.Tensor, work: Sequence[Work],

@@ -19,13 +19,13 @@ from chainspec.engine.draft_batch import table_width
 from chainspec.engine.graph_runner import GraphKey, default_buckets
 from chainspec.engine.schedule import Work, WorkKind
 from chainspec.models.attention import AttnBatch, PagedAttention
-from chainspec.models.kv_cache import PagedKVCache
+from chainspec.models.kv_cache import ModelKVCache
 from chainspec.models.target import TargetModel
 
 MAX_GRAPH_BATCH = 64  # larger batches run the packed path
 
 
-def verify_forward(model: TargetModel, cache: PagedKVCache, ids: torch.Tensor,
+def verify_forward(model: TargetModel, cache: ModelKVCache, ids: torch.Tensor,
                    batch: AttnBatch) -> torch.Tensor:
     """The one step function: ids [T] -> hidden [T, H], KV written through the tables."""
     return model(ids, batch.positions, PagedAttention(cache, batch, model.attention_scale))
@@ -75,7 +75,7 @@ class StaticVerifyBuffers:
 class VerifyGraphs:
     """Capture (per bucket, CUDA only), dispatch (pick a bucket), run (replay or eager)."""
 
-    def __init__(self, model: TargetModel, cache: PagedKVCache, max_seqs: int,
+    def __init__(self, model: TargetModel, cache: ModelKVCache, max_seqs: int,
                  num_steps: int, max_len: int, use_graphs: bool,
                  static_on_cpu: bool = False) -> None:
         self.model, self.cache = model, cache
@@ -96,7 +96,9 @@ class VerifyGraphs:
         return self.buffers.rows_per_seq
 
     def fits(self, work: Sequence[Work]) -> bool:
-        return (self.enabled and 0 < len(work) <= self.buckets[-1]
+        # NOTE: windowed groups and recurrent states run the packed path (not captured)
+        plain = not self.cache.windows and not self.cache.has_states
+        return (self.enabled and plain and 0 < len(work) <= self.buckets[-1]
                 and all(w.kind is WorkKind.VERIFY for w in work))
 
     def dispatch(self, num_seqs: int) -> GraphKey:
