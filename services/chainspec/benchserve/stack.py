@@ -115,14 +115,16 @@ class DrafterSampler:
 
 
 async def _chainspec(*argv: str) -> str:
-    """Run `chainspec argv...`; its output, or RuntimeError with it."""
+    """Run `chainspec argv...`; its stdout (Ray's logs on stderr stay out of `--json`), or
+    RuntimeError with the last line it wrote (`chainspec X: ...` says why)."""
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "chainspec.cli", *argv,
                                                 stdout=subprocess.PIPE,
-                                                stderr=subprocess.STDOUT)
-    out, _ = await proc.communicate()
+                                                stderr=subprocess.PIPE)
+    out, err = await proc.communicate()
     text = out.decode(errors="replace")
-    if proc.returncode != 0:  # its last line says why (`chainspec X: ...`)
-        why = next((line for line in reversed(text.splitlines()) if line.strip()), "")
+    if proc.returncode != 0:
+        lines = (err.decode(errors="replace") + "\n" + text).splitlines()
+        why = next((line for line in reversed(lines) if line.strip()), "")
         raise RuntimeError(f"`chainspec {' '.join(argv)}` failed ({proc.returncode}): "
                            f"{why.strip()[-500:]}")
     return text
@@ -132,7 +134,11 @@ async def autoscale_spec(stack_args: list[str]) -> str | None:
     """`auto:MIN-MAX` of a stack whose drafters autoscale (`chainspec status --json`),
     else None."""
     text = await _chainspec("status", "--json", *stack_args)
-    policy = (json.loads(text).get("autoscale") or {}).get("policy")
+    try:
+        policy = (json.loads(text).get("autoscale") or {}).get("policy")
+    except (ValueError, AttributeError):
+        raise RuntimeError(f"`chainspec status --json` printed no JSON: {text[-200:]!r}") \
+            from None
     return AutoscalePolicy(**policy).spec if policy else None
 
 
