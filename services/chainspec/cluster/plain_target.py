@@ -58,6 +58,15 @@ def serve_plainly(config: StackConfig) -> tuple[StackConfig, str | None]:
         f"{reason}. Starting 0 drafters: the stack serves with plain decoding"
 
 
+def check_stack_model(config: StackConfig, must_exist: bool = True) -> None:
+    """The stack's model loads as its target and, if it drafts, as its drafter
+    (headers only; `models/validate.py`), or one CheckpointError line."""
+    from chainspec.models.validate import check_model
+    d = config.drafter
+    check_model(config.model_dir, drafts=d.local or d.replicas > 0 or d.autoscale is not None,
+                must_exist=must_exist)
+
+
 def refuse_drafters(config: StackConfig) -> None:
     """ValueError (the reason) if drafters cannot be added to this stack's model."""
     reason = no_mtp_reason(config.model_dir)

@@ -102,13 +102,14 @@ def read_api_key(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from chainspec.cluster.plain_target import serve_plainly
+    from chainspec.cluster.plain_target import check_stack_model, serve_plainly
 
     config = resolve(args)
     plain, warning = serve_plainly(config.stack)
     if warning:  # a model without MTP modules: no drafters
         config = dataclasses.replace(config, stack=plain)
         print(f"chainspec serve: warning: {warning}", file=sys.stderr, flush=True)
+    check_stack_model(config.stack, must_exist=config.address is None)  # before Ray
     if args.dry_run:
         print(json.dumps({"command": "serve", "config": config.describe()}, indent=2))
         return 0

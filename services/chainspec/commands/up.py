@@ -22,7 +22,7 @@ import time
 from chainspec.cluster import stack
 from chainspec.cluster.config import StackConfig
 from chainspec.cluster.controller import START_TIMEOUT_S
-from chainspec.cluster.plain_target import serve_plainly
+from chainspec.cluster.plain_target import check_stack_model, serve_plainly
 from chainspec.commands.server_args import jsonable
 from chainspec.commands.signals import until_stopped
 from chainspec.commands.stack_args import print_members, stack_config
@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     config, warning = serve_plainly(stack_config(args))
     if warning:
         print(f"chainspec up: warning: {warning}", file=sys.stderr, flush=True)
+    check_stack_model(config, must_exist=args.address is None)  # before Ray
     if args.dry_run:
         print(json.dumps({"command": "up", "address": args.address, "detach": args.detach,
                           "config": jsonable(config.to_dict())}, indent=2))

@@ -52,12 +52,16 @@ class CheckpointFiles:
         """The stored shape, read from the file header (no tensor data)."""
         return tuple(self._slice(name).get_shape())
 
-    def read(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Read one tensor; with `shape`, check it against the header first."""
+    def read(self, name: str, shape: tuple[int, ...] | None = None,
+             data: bool = True) -> torch.Tensor:
+        """Read one tensor; with `shape`, check it against the header first. `data`
+        False: only the header is read (an empty tensor on the meta device)."""
         stored = self.shape(name)
         if shape is not None and stored != tuple(shape):
             raise CheckpointError(f"{self.file_of(name)}: tensor {name} has shape "
                                   f"{list(stored)}, expected {list(shape)}")
+        if not data:
+            return torch.empty(stored, device="meta")
         return self._handle(name).get_tensor(name)
 
     def close(self) -> None:

@@ -70,7 +70,7 @@ def load_draft_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     cfg = _parse_config(model_dir, lambda: draft_config(hf, adapter, architecture))
     count = _module_count(model_dir, cfg.num_mtp_layers, num_modules)
     with torch.device(device):
-        model = MTPDraftModel(cfg, count, adapter.glue, cache_len)
+        model = MTPDraftModel(cfg, count, adapter.glue, cache_len, _mtp_block(cfg))
     names = {key: adapter.checkpoint_name(key, cfg.num_layers) for key in model.state_dict()}
     if cfg.tie_word_embeddings:
         names["lm_head.weight"] = "model.embed_tokens.weight"
@@ -79,6 +79,14 @@ def load_draft_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
         state = _read_all(files, names, model, dtype, device, adapter.convert)
     _assign(model, state, model.embed_tokens if cfg.tie_word_embeddings else None)
     return model
+
+
+def _mtp_block(cfg: ModelConfig):
+    """The target family's MTP decoder layer (None, a Llama-style layer, for
+    architectures chainspec drafts for but does not serve as targets)."""
+    from chainspec.models.families import registry
+    family = registry().get(cfg.architecture)
+    return family.mtp_block if family is not None else None
 
 
 def _config_path(model_dir: str | Path) -> Path:
@@ -142,8 +150,9 @@ def _read_all(files: CheckpointFiles, names: dict[str, str], model: nn.Module,
         raise CheckpointError(f"{files.model_dir}: missing tensor {_listed(missing)}")
     expected = model.state_dict()
     state = {}
+    headers_only = torch.device(device).type == "meta"  # a check (`models/validate.py`)
     for key, name in names.items():
-        tensor = files.read(name, tuple(expected[key].shape))
+        tensor = files.read(name, tuple(expected[key].shape), data=not headers_only)
         tensor = convert(key, tensor) if convert else tensor
         state[key] = tensor.to(device=device, dtype=dtype)
     return state
