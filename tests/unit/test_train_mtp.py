@@ -189,7 +189,21 @@ def test_cli_refuses_a_target_with_mtp_and_out_equal_to_target(llama: Path, tmp_
     with_mtp = write_tiny_model(tmp_path / "with-mtp", num_mtp=1)
     assert main(["train-mtp", "--target", str(with_mtp), "--data", str(corpus), "--out",
                  str(tmp_path / "o")]) == 2
-    assert "already declares MTP modules" in capsys.readouterr().err
+    assert "already ships MTP modules" in capsys.readouterr().err
+
+
+def test_a_release_that_dropped_its_mtp_layers_gets_modules_trained(corpus: Path,
+                                                                     tmp_path: Path) -> None:
+    """Quantized releases often keep `num_nextn_predict_layers` but drop the tensors:
+    train-mtp trains modules for them in the family's layout (was: refused)."""
+    target = write_tiny_model(tmp_path / "dropped", num_mtp=1)
+    (target / "mtp.safetensors").unlink()
+    job = replace(_job(target, corpus, tmp_path / "out", replace(RECIPE, num_mtp=2)),
+                  settings=replace(SETTINGS, checkpoint_every=0))
+    train_mtp(job)
+    names = set(load_file(str(tmp_path / "out" / "mtp.safetensors")))
+    assert "model.layers.3.eh_proj.weight" in names  # DeepSeek layout after 2 layers
+    assert load_draft_model(tmp_path / "out").num_modules == 2
 
 
 def test_jsonl_prompts_are_continued_by_the_target(llama: Path, tmp_path: Path) -> None:

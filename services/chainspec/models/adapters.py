@@ -121,7 +121,11 @@ QWEN3_NEXT = MTPAdapter(
     zero_centred_block_norms=True,
 )
 
-ADAPTERS = {a.family: a for a in (DEEPSEEK, MIMO, QWEN3_NEXT)}
+# Qwen3.5's MTP block is its own family's gated full-attention layer, whose norms are
+# zero-centred natively (`families/qwen3_5.py`): loaded unchanged.
+QWEN3_5 = replace(QWEN3_NEXT, family="qwen3_5", zero_centred_block_norms=False)
+
+ADAPTERS = {a.family: a for a in (DEEPSEEK, MIMO, QWEN3_NEXT, QWEN3_5)}
 
 # Checkpoint architectures with an MTP family of their own. Target families (Llama, ...)
 # that carry `num_nextn_predict_layers` use DeepSeek naming (the demo model does).
@@ -130,6 +134,7 @@ ARCHITECTURE_FAMILIES = {
     "Glm4MoeForCausalLM": "deepseek",
     "MiMoForCausalLM": "mimo",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5",
 }
 
 

@@ -63,20 +63,27 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE and optional q/k RMSNorm (Qwen3)."""
+    """Grouped-query attention with RoPE and optional q/k RMSNorm (Qwen3).
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    `output_gate` (Qwen3.5, Qwen3-Next): q_proj is twice as wide, [q_h, gate_h] per head,
+    and the attention output is scaled by sigmoid(gate) before o_proj.
+    `unit_offset_norms`: the q/k norms scale by (1 + w) (zero-centred weights)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, *,
+                 output_gate: bool = False, unit_offset_norms: bool = False) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.qkv_bias)
+        self.output_gate = output_gate
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size * (2 if output_gate else 1),
+                                bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, unit_offset_norms)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, unit_offset_norms)
         self.qk_norm = cfg.qk_norm
         self.rotary = [rotary]  # a list: shared, not registered as this layer's submodule
         self.scale = cfg.head_dim ** -0.5
@@ -87,13 +94,17 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
         rows = x.shape[0]
-        q = self.q_proj(x).view(rows, self.num_heads, self.head_dim)  # [T, Hq, D]
+        q = self.q_proj(x).view(rows, self.num_heads, -1)  # [T, Hq, D] (gated: 2D)
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)  # [T, Hq, D] each
         k = self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](q, k, positions)
         out = backend.attend(self.layer_id, q, k, v, scale=self.scale)  # [T, Hq, D]
+        if self.output_gate:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(rows, -1))
 
 

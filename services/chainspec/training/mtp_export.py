@@ -17,8 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 from chainspec.models.adapters import adapter_for
+from chainspec.models.checkpoint import CheckpointFiles
 from chainspec.models.config import read_hf_config
-from chainspec.training.export import DTYPES, mtp_tensors
+from chainspec.training.export import DTYPES
 from chainspec.training.mtp_model import TargetWithMTP
 
 MTP_FILE = "mtp.safetensors"
@@ -30,12 +31,38 @@ def check_target(target_dir: Path, out_dir: Path) -> None:
     if out_dir.resolve() == target_dir.resolve():
         raise ValueError("--out must differ from --target (the target stays untouched)")
     hf = read_hf_config(target_dir)
-    if adapter_for(hf) is not None:
-        raise ValueError(f"{target_dir} already declares MTP modules; train-mtp trains "
-                         "drafters for targets without them")
+    adapter = adapter_for(hf)
+    if adapter is not None and mtp_weights_present(target_dir, adapter, hf):
+        raise ValueError(f"{target_dir} already ships MTP modules; train-mtp trains "
+                         "drafters for targets without them (or whose release dropped them)")
     if (target_dir / MTP_FILE).exists():
         raise ValueError(f"{target_dir / MTP_FILE} exists but config.json declares no "
                          "MTP modules; remove it or point --target elsewhere")
+
+
+def mtp_weights_present(target_dir: Path, adapter, hf: dict) -> bool:
+    """Whether the checkpoint holds any tensor of its family's MTP layers (headers only)."""
+    layers = int(hf.get("num_hidden_layers", 0))
+    with CheckpointFiles(target_dir) as files:
+        return any(adapter.owns(name, layers) for name in files.names())
+
+
+def family_mtp_tensors(model: TargetWithMTP, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The trained modules under the target family's own MTP tensor names."""
+    layers, adapter = model.config.num_layers, model.adapter
+    out: dict[str, torch.Tensor] = {}
+    for key, t in model.draft.state_dict().items():
+        if not key.startswith("mtp."):
+            continue  # the embedding and head are the target's
+        name = adapter.checkpoint_name(key, layers)
+        if name in out:
+            raise ValueError(f"the {adapter.family} MTP layout shares {name} between "
+                             f"modules: train one module (--num-mtp 1) for this target")
+        if adapter.zero_centred_block_norms and ".block." in key and key.endswith(
+                "norm.weight"):
+            t = t.float() - 1.0  # NOTE: stored as w for (1 + w), as the family loads it
+        out[name] = t.detach().to(dtype).contiguous()
+    return out
 
 
 def storage_dtype(target_dir: Path) -> torch.dtype:
@@ -56,7 +83,8 @@ def write_folder(model: TargetWithMTP, target_dir: Path, out_dir: Path, copy: bo
         else:
             dst.symlink_to(src.resolve())
     hf = read_hf_config(target_dir)
-    hf["num_nextn_predict_layers"] = model.num_mtp
+    hf[model.adapter.count_keys[0]] = model.num_mtp
     (out_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    tensors = {k: v.cpu() for k, v in mtp_tensors(model, storage_dtype(target_dir)).items()}
+    tensors = {k: v.cpu() for k, v in family_mtp_tensors(model, storage_dtype(target_dir))
+               .items()}
     save_file(tensors, str(out_dir / MTP_FILE), {"format": "pt"})

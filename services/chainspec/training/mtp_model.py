@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from chainspec.models.adapters import DEEPSEEK
 from chainspec.models.mtp import MTPDraftModel, MTPGlue
 from chainspec.models.target import TargetModel
 
@@ -25,7 +26,10 @@ class TargetWithMTP(nn.Module):
         super().__init__()
         self.config = replace(target.config, num_mtp_layers=num_mtp)
         self.target = target
-        self.draft = MTPDraftModel(self.config, num_mtp, DEEPSEEK_GLUE)
+        # the target family's MTP layout and block (DeepSeek's for the Llama family)
+        self.adapter = target.family.mtp or DEEPSEEK
+        self.draft = MTPDraftModel(self.config, num_mtp, self.adapter.glue,
+                                   block=target.family.mtp_block)
         # NOTE: shared modules, not copies: the drafter reads the target's embedding/head.
         self.draft.embed_tokens = target.model.embed_tokens
         self.draft.lm_head = target.lm_head

@@ -1,0 +1,167 @@
+"""The Qwen3.5 dense family (`Qwen3_5ForCausalLM`, config model_type `qwen3_5_text`).
+
+Layer pattern: `layer_types` (default: three `linear_attention` then one
+`full_attention`, `full_attention_interval` 4). Layer kinds:
+- `linear` (`linear_attn.*`): Gated DeltaNet (`models/gated_deltanet.py`), a recurrent
+  state per sequence;
+- `full` (`self_attn.*`): GQA with an output gate (q_proj twice wide, [q, gate] per
+  head), zero-centred q/k RMSNorm, partial RoPE (`partial_rotary_factor`, 0.25);
+- MLP: dense SwiGLU on every layer.
+Every RMSNorm but the GDN's gated one scales by (1 + w): chainspec's `RMSNorm` with
+`unit_offset`, so checkpoint tensors load unchanged (same rounding as transformers).
+
+MTP glue (`mtp.*`, vLLM's `qwen3_5_mtp.py` layout):
+
+| | |
+|---|---|
+| tensors | `mtp.fc` (eh_proj), `mtp.pre_fc_norm_embedding` (enorm), |
+| | `mtp.pre_fc_norm_hidden` (hnorm), `mtp.layers.{i}.*`, `mtp.norm` (final norm); |
+| | embedding and head shared with the target |
+| concat | [emb, hidden] |
+| hidden read | h after the target's final norm (the exported h) |
+| token offset | step k at row p reads x[p+k] |
+| chain | one module reused for K steps (`mtp_num_hidden_layers` 1), chained |
+| layer kind | one `full_attention` layer with output gate (paged KV, no state) |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import nn
+
+from chainspec.models.adapters import QWEN3_5
+from chainspec.models.cache_spec import CacheSpec
+from chainspec.models.config import ModelConfig, RopeConfig, eos_ids
+from chainspec.models.errors import CheckpointError
+from chainspec.models.families.base import DecoderParts, Family, MTPBlock
+from chainspec.models.gated_deltanet import GatedDeltaNet, GDNShape
+from chainspec.models.layers import MLP, Attention, AttentionBackend, RMSNorm
+from chainspec.models.rope import RotaryEmbedding
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class Qwen3_5Config(ModelConfig):
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.layer_types) != self.num_layers:
+            raise CheckpointError(f"layer_types has {len(self.layer_types)} entries for "
+                                  f"{self.num_layers} layers")
+        unknown = set(self.layer_types) - {LINEAR, FULL}
+        if unknown:
+            raise CheckpointError(f"unsupported layer types {sorted(unknown)}")
+
+    @property
+    def gdn_shape(self) -> GDNShape:
+        return GDNShape(self.linear_num_key_heads, self.linear_num_value_heads,
+                        self.linear_key_head_dim, self.linear_value_head_dim,
+                        self.linear_conv_kernel, self.rms_eps)
+
+
+def layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
+    n = int(cfg["num_hidden_layers"])
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    interval = int(cfg.get("full_attention_interval", 4))
+    return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n))
+
+
+def parse(cfg: dict[str, Any], arch: str) -> Qwen3_5Config:
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    rope = RopeConfig.from_hf(cfg)
+    partial = (cfg.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    bias = bool(cfg.get("attention_bias", False))
+    return Qwen3_5Config(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        max_position=int(cfg.get("max_position_embeddings", 32768)),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bias, o_bias=bias, qk_norm=True,
+        rope=replace(rope, partial_rotary_factor=float(partial)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids(cfg),
+        num_mtp_layers=QWEN3_5.num_modules(cfg),
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        layer_types=layer_types(cfg),
+        linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+    )
+
+
+class HybridDecoderLayer(nn.Module):
+    """Pre-norm token mixer (`linear_attn`: Gated DeltaNet, or `self_attn`: gated full
+    attention) and MLP, with zero-centred norms. The MLP kind is the family's (Qwen3-Next
+    passes its MoE)."""
+
+    def __init__(self, cfg: Qwen3_5Config, layer_id: int, rotary: RotaryEmbedding,
+                 kind: str, mlp: nn.Module | None = None) -> None:
+        super().__init__()
+        if kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.gdn_shape, layer_id)
+        else:
+            self.self_attn = Attention(cfg, layer_id, rotary, output_gate=True,
+                                       unit_offset_norms=True)
+        self.kind = kind
+        self.mlp = mlp if mlp is not None else MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps,
+                                                unit_offset=True)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.kind == LINEAR else self.self_attn
+
+    def cache_spec(self) -> CacheSpec:
+        return self.mixer.cache_spec()
+
+    def forward(self, x, positions, backend: AttentionBackend):
+        x = x + self.mixer(self.input_layernorm(x), positions, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _rotary(cfg: ModelConfig, cache_len: int | None) -> RotaryEmbedding:
+    return RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position, cache_len)
+
+
+def build(cfg: Qwen3_5Config, cache_len: int | None) -> DecoderParts:
+    rotary = _rotary(cfg, cache_len)
+    layers = [HybridDecoderLayer(cfg, i, rotary, kind)
+              for i, kind in enumerate(cfg.layer_types)]
+    return DecoderParts(layers, [rotary], RMSNorm(cfg.hidden_size, cfg.rms_eps, True))
+
+
+def mtp_block(cfg: Qwen3_5Config, cache_len: int | None) -> MTPBlock:
+    rotary = _rotary(cfg, cache_len)
+    return MTPBlock(HybridDecoderLayer(cfg, 0, rotary, FULL), [rotary])
+
+
+QWEN3_5_DENSE = Family(
+    name="qwen3_5",
+    architectures=("Qwen3_5ForCausalLM",),
+    parse=parse, build=build, mtp=QWEN3_5, mtp_block=mtp_block,
+    notes="Gated DeltaNet + gated full attention (3:1), dense SwiGLU; MTP at mtp.*, "
+          "[emb, hidden], reads h after the final norm, one full-attention layer",
+)
+FAMILIES = (QWEN3_5_DENSE,)

@@ -1,0 +1,156 @@
+"""Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next): the `linear` attention kind.
+
+Per row t of a sequence, with the projections of its input x_t:
+    c_t   = silu(causal_conv1d(qkv, kernel K))      # depthwise, over the last K inputs
+    q, k  = l2norm(q_t), l2norm(k_t);  q *= Dk^-1/2 # key heads shared by Hv/Hk value heads
+    g_t   = -exp(A_log) * softplus(a_t + dt_bias);  beta_t = sigmoid(b_t)
+    S     = S * exp(g_t)                            # S [Hv, Dk, Dv], the recurrent state
+    S     = S + k (x) beta_t (v - k^T S)            # the delta rule
+    o_t   = q^T S;   out = out_proj(RMSNorm(o_t) * w * silu(z_t))
+The layer's cache is a fixed-size state per sequence (`StateSpec`): the conv state (the
+last K-1 conv inputs, [C, K-1]) and S. A verify window keeps both after every row, so
+that j accepted drafts continue from row j's state (DESIGN 4.9); the engine says which
+through `backend.recurrent(layer)`.
+
+This row-by-row torch form is the CPU path and the oracle (computed in fp32, as
+transformers does). NOTE: no CUDA kernel yet: flash-linear-attention's chunked kernel
+returns only the final state, and its fused recurrent one would serve verify windows.
+
+Tensor names are Qwen3.5's (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`);
+a family with fused projections (Qwen3-Next's `in_proj_qkvz`, `in_proj_ba`) overrides
+`project`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chainspec.models.cache_spec import StateSpec
+from chainspec.models.layers import AttentionBackend
+from chainspec.models.recurrent import RecurrentAccess
+
+
+@dataclass(frozen=True)
+class GDNShape:
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads {self.num_v_heads} is not a multiple "
+                             f"of linear_num_key_heads {self.num_k_heads}")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the head dim, scaled by w (not 1 + w), then gated by silu(z)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden_size: int, shape: GDNShape, layer_id: int) -> None:
+        super().__init__()
+        self.shape, self.layer_id = shape, layer_id
+        s = shape
+        self.in_proj_qkv = nn.Linear(hidden_size, s.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, s.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, s.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, s.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, s.conv_kernel, bias=False,
+                                groups=s.conv_dim, padding=s.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(s.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(s.num_v_heads))
+        self.norm = GatedRMSNorm(s.v_head_dim, s.eps)
+        self.out_proj = nn.Linear(s.value_dim, hidden_size, bias=False)
+
+    def cache_spec(self) -> StateSpec:
+        s = self.shape
+        return StateSpec(((s.conv_dim, s.conv_kernel - 1),
+                          (s.num_v_heads, s.k_head_dim, s.v_head_dim)))
+
+    def project(self, x: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> conv input [T, C], z [T, Hv, Dv], b [T, Hv], a [T, Hv]."""
+        z = self.in_proj_z(x).view(x.shape[0], self.shape.num_v_heads, -1)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                backend: AttentionBackend) -> torch.Tensor:
+        del positions  # order is the state's business
+        s, rows = self.shape, x.shape[0]
+        access = backend.recurrent(self.layer_id)
+        mixed, z, b, a = self.project(x)
+        beta = b.float().sigmoid()  # [T, Hv]
+        decay = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).exp()
+        core = torch.zeros(rows, s.num_v_heads, s.v_head_dim, device=x.device)  # pad rows: 0
+        for seq, (lo, hi) in enumerate(access.spans):
+            core[lo:hi] = self._span(access, seq, mixed[lo:hi], decay[lo:hi], beta[lo:hi])
+        out = self.norm(core.to(x.dtype), z)  # [T, Hv, Dv]
+        return self.out_proj(out.reshape(rows, -1))
+
+    def _span(self, access: RecurrentAccess, seq: int, mixed: torch.Tensor,
+              decay: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """One sequence's rows, from its committed state; stores the states it keeps."""
+        s, n = self.shape, mixed.shape[0]
+        conv_state, state = self._initial(access.load(seq), mixed.device)
+        inputs = torch.cat([conv_state.T, mixed.float()])  # [K-1+n, C]
+        conv = F.silu(F.conv1d(inputs.T[None], self.conv1d.weight.float(),
+                               groups=s.conv_dim)[0].T)  # [n, C]
+        q, k, v = conv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        group = s.num_v_heads // s.num_k_heads
+        q = l2norm(q.reshape(n, s.num_k_heads, -1)).repeat_interleave(group, 1)
+        k = l2norm(k.reshape(n, s.num_k_heads, -1)).repeat_interleave(group, 1)
+        q = q * s.k_head_dim ** -0.5  # [n, Hv, Dk]
+        v = v.reshape(n, s.num_v_heads, s.v_head_dim)
+        keep = access.keeps_every_row(seq)
+        out = []
+        for t in range(n):
+            state = state * decay[t][:, None, None]  # [Hv, Dk, Dv]
+            delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]
+            state = state + k[t][:, :, None] * delta[:, None, :]
+            out.append(torch.einsum("hkv,hk->hv", state, q[t]))
+            if keep or t == n - 1:
+                access.store(seq, t, (inputs[t + 1:t + s.conv_kernel].T, state))
+        return torch.stack(out)  # [n, Hv, Dv]
+
+    def _initial(self, loaded: tuple[torch.Tensor, ...] | None, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv state [C, K-1], S [Hv, Dk, Dv]) in fp32; zeros for a fresh sequence."""
+        if loaded is not None:
+            return loaded[0].float(), loaded[1].float()
+        s = self.shape
+        return (torch.zeros(s.conv_dim, s.conv_kernel - 1, device=device),
+                torch.zeros(s.num_v_heads, s.k_head_dim, s.v_head_dim, device=device))
