@@ -124,6 +124,8 @@ def random_request(rng: random.Random, vocab: int) -> tuple[str, dict]:
         body.update({"logprobs": n} if path == CMPL else {"logprobs": True, "top_logprobs": n})
     if rng.random() < 0.1:
         body["n"] = 2
+    if rng.random() < 0.05:  # the integer fields' extremes: all refused
+        body["max_tokens"] = rng.choice([-1, 2 ** 32, 1.5, Raw("1e999"), TINY, 2 ** 64])
     if path == CMPL and rng.random() < 0.1:  # vLLM: the prompt alone
         body.update(echo=True, max_tokens=0)
         body.pop("logprobs", None)
