@@ -7,6 +7,12 @@ read its keys). Past SDPA_MAX_KEYS keys only the columns that some row may not s
 (a verify window's own last keys) are masked. The host work (grouping, gather indices,
 masks, row spans) depends only on the step's batch description, so a `ReferencePlan` is
 made once per step and reused by every layer. NOTE: making a plan syncs (CPU path only).
+
+The plan is window-independent (one per block-table group; the drafter keeps windowed
+layers in the full-length group): a layer's sliding window and attention sinks are
+applied in its own call (`_attend_window`). There, table entries below every row's window
+(blocks given back, which may point at block 0) and past a sequence's own blocks are
+redirected to its first visible block and masked, so nothing stale reaches the sums.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ class _Group:
     tail: torch.Tensor | None  # [G, 1, 1, R, L - seen] bool: `hidden` past `seen`
     span: tuple[int, int] | None  # packed rows [a, b) in group order, no padding
     put: tuple[torch.Tensor, torch.Tensor] | None  # (packed rows, group rows) if not span
+    row_pos: torch.Tensor  # [G, R] int64: each row's position (padding rows: 0)
+    first_pos: tuple[int, ...]  # per sequence: its lowest row position
+    own: tuple[int, ...]  # per sequence: blocks it owns (entries past them are not its)
 
 
 @dataclass(frozen=True)
@@ -76,19 +85,26 @@ def _group(block_tables: torch.Tensor, rows: list[list[int]], pos: list[int],
     blocks = _blocks(block_tables[seqs], lengths, block_size)
     seen = min(p_g) + 1
     tail = None if hidden is None else hidden[:, None, None, :, seen:]
-    return _Group(blocks, max(lengths), r, hidden, seen, tail, span, put)
+    row_pos = torch.tensor(p_g, device=device).view(len(rows), r)
+    first = tuple(min(pos[t] for t in x) for x in rows)
+    own = tuple((n + block_size - 1) // block_size for n in lengths)
+    return _Group(blocks, max(lengths), r, hidden, seen, tail, span, put, row_pos, first, own)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, row_seq: torch.Tensor,
                               positions: torch.Tensor, scale: float,
-                              plan: ReferencePlan | None = None) -> torch.Tensor:
-    """`paged_attention` in torch; `plan` (default: made here) from `reference_plan`."""
+                              plan: ReferencePlan | None = None, *,
+                              window: int | None = None, sinks: torch.Tensor | None = None
+                              ) -> torch.Tensor:
+    """`paged_attention` in torch; `plan` (default: made here) from `reference_plan`.
+    Returns `[T, Hq, Dv]` (Dv = v_cache's last dim)."""
     plan = plan or reference_plan(block_tables, row_seq, positions, k_cache.shape[1])
-    outs = [_group_attention(q, k_cache, v_cache, g, scale) for g in plan.groups]
+    outs = [_group_attention(q, k_cache, v_cache, g, scale, window, sinks)
+            for g in plan.groups]
     if plan.tiles:  # the groups' spans in row order: no scatter, no zeros
         return (outs[0] if len(outs) == 1 else torch.cat(outs)).to(q.dtype)
-    out = torch.zeros_like(q)  # [T, Hq, D]
+    out = q.new_zeros(*q.shape[:2], v_cache.shape[-1])  # [T, Hq, Dv]
     for g, o in zip(plan.groups, outs, strict=True):
         if g.span:
             out[g.span[0]:g.span[1]] = o
@@ -98,11 +114,14 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def _group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Group,
-                     scale: float) -> torch.Tensor:
-    """One group's rows `[G * R, Hq, D]` (fp32; group order, padding rows included)."""
+                     scale: float, window: int | None, sinks: torch.Tensor | None
+                     ) -> torch.Tensor:
+    """One group's rows `[G * R, Hq, Dv]` (fp32; group order, padding rows included)."""
     n = g.blocks.shape[0]
     q_g = q[g.span[0]:g.span[1]] if g.span else _scatter(q, g.put, n * g.rows)
     q_g = q_g.view(n, g.rows, *q.shape[1:])  # [G, R, Hq, D]
+    if window is not None or sinks is not None:
+        return _attend_window(q_g, k_cache, v_cache, g, scale, window, sinks).flatten(0, 1)
     if g.length > SDPA_MAX_KEYS:
         return _attend_long(q_g, k_cache, v_cache, g, scale).flatten(0, 1)
     keys, values = (_gather(c, g) for c in (k_cache, v_cache))  # [G, L, Hkv, D]
@@ -143,10 +162,13 @@ def _blocks(tables: torch.Tensor, lengths: list[int], block_size: int) -> torch.
     return blocks
 
 
-def _gather(cache: torch.Tensor, g: _Group) -> torch.Tensor:
-    """`[S, L, Hkv, D]`: the positions of each sequence's blocks."""
-    rows = cache.index_select(0, g.blocks.flatten())  # [S * nb, block_size, Hkv, D]
-    return rows.view(g.blocks.shape[0], -1, *cache.shape[2:])[:, :g.length]
+def _gather(cache: torch.Tensor, g: _Group, blocks: torch.Tensor | None = None,
+            length: int | None = None) -> torch.Tensor:
+    """`[S, L, Hkv, D]`: the positions of each sequence's blocks (`blocks`, `length`:
+    another selection of them, default the group's)."""
+    blocks = g.blocks if blocks is None else blocks
+    rows = cache.index_select(0, blocks.flatten())  # [S * nb, block_size, Hkv, D]
+    return rows.view(blocks.shape[0], -1, *cache.shape[2:])[:, :length or g.length]
 
 
 def _attend_short(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -177,6 +199,60 @@ def _attend_long(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         # NOTE: fill, not add: masked keys may be stale blocks, never let them reach the sum
         scores.view(s, hkv, gqa, r, -1)[..., g.seen:].masked_fill_(g.tail, float("-inf"))
     probs = scores.softmax(-1)
-    values = _gather(v_cache, g).float().transpose(1, 2)  # [S, Hkv, L, D]
-    o = torch.matmul(probs, values)  # [S, Hkv, gqa * R, D]
-    return o.view(s, hkv, gqa, r, d).permute(0, 3, 1, 2, 4).reshape(s, r, hq, d)
+    values = _gather(v_cache, g).float().transpose(1, 2)  # [S, Hkv, L, Dv]
+    return _heads_back(torch.matmul(probs, values), gqa, r)  # [S, R, Hq, Dv]
+
+
+def _heads_back(o: torch.Tensor, gqa: int, r: int) -> torch.Tensor:
+    """[S, Hkv, gqa * R, Dv] (GQA groups folded into rows) -> [S, R, Hq, Dv]."""
+    s, hkv, _, dv = o.shape
+    return o.view(s, hkv, gqa, r, dv).permute(0, 3, 1, 2, 4).reshape(s, r, hkv * gqa, dv)
+
+
+def _window_blocks(g: _Group, window: int | None, block_size: int
+                   ) -> tuple[torch.Tensor, int]:
+    """(block ids `[S, nb']`, first key position) of the keys some row of the group may
+    see under `window`. A sequence's entries below its first visible block (given back:
+    they may point at block 0) or past its own blocks read that first visible block
+    again, masked; so nothing stale or foreign is ever gathered."""
+    lo = [0 if window is None else max(0, p - window + 1) // block_size for p in g.first_pos]
+    start = min(lo)
+    blocks = g.blocks[:, start:]  # [S, nb']
+    if max(lo) > start or min(g.own) < g.blocks.shape[1]:
+        dev = blocks.device
+        col = torch.arange(blocks.shape[1], device=dev)[None, :] + start  # [1, nb']
+        first = torch.tensor(lo, device=dev)[:, None]  # [S, 1]
+        mine = (col >= first) & (col < torch.tensor(g.own, device=dev)[:, None])
+        blocks = torch.where(mine, blocks, g.blocks.gather(1, first))
+    return blocks, start * block_size
+
+
+def _attend_window(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Group,
+                   scale: float, window: int | None, sinks: torch.Tensor | None
+                   ) -> torch.Tensor:
+    """q [S, R, Hq, D] over the keys the group's rows may see -> [S, R, Hq, Dv] in fp32:
+    row p sees keys p-window+1..p; `sinks` [Hq] joins each head's softmax denominator."""
+    s, r, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    gqa = hq // hkv
+    blocks, first = _window_blocks(g, window, k_cache.shape[1])
+    length = g.length - first
+    qg = (q.float() * scale).view(s, r, hkv, gqa, d).permute(0, 2, 3, 1, 4).reshape(
+        s, hkv, gqa * r, d)  # [S, Hkv, gqa * R, D]
+    keys = _gather(k_cache, g, blocks, length).float().permute(0, 2, 3, 1)  # [S, Hkv, D, L]
+    scores = torch.matmul(qg, keys).view(s, hkv, gqa, r, length)  # [S, Hkv, gqa, R, L]
+    kpos = torch.arange(first, g.length, device=q.device)  # [L]
+    row = g.row_pos[:, None, None, :, None]  # [S, 1, 1, R, 1]
+    hidden = kpos > row if window is None else (kpos > row) | (kpos <= row - window)
+    # NOTE: fill, not add: masked keys may be stale blocks, never let them reach the sum
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:  # a sink is one more logit in the denominator that adds no value
+        sink = sinks.float().view(1, hkv, gqa, 1, 1)
+        top = torch.maximum(scores.amax(-1, keepdim=True), sink)  # [S, Hkv, gqa, R, 1]
+        e = (scores - top).exp()
+        probs = e / (e.sum(-1, keepdim=True) + (sink - top).exp())
+    values = _gather(v_cache, g, blocks, length).float().transpose(1, 2)  # [S, Hkv, L, Dv]
+    o = torch.matmul(probs.view(s, hkv, gqa * r, length), values)  # [S, Hkv, gqa * R, Dv]
+    return _heads_back(o, gqa, r)

@@ -80,19 +80,32 @@ CASES += [
 
 
 
-def _attention(dtype: str, head_dim: int, group: int, block_m: int) -> AotCase:
+def _pad(dim: int) -> int:
+    return max(16, 1 << (dim - 1).bit_length())
+
+
+def _attention(dtype: str, head_dim: int, group: int, block_m: int, v_dim: int | None = None,
+               window: bool = False, sinks: bool = False, num_warps: int | None = None
+               ) -> AotCase:
+    """`v_dim`, `window`, `sinks`: the sliding-window kind's options (MiMo-V2: keys 192,
+    values 128, window and sinks on one kernel)."""
+    v_dim = v_dim or head_dim
     ptrs = dict.fromkeys(("q_ptr", "kc_ptr", "vc_ptr", "out_ptr"), f"*{dtype}")
     ptrs.update(dict.fromkeys(("tables_ptr", "order_ptr", "start_ptr", "count_ptr",
-                               "tile_seq_ptr", "tile_first_ptr"), "*i32"), pos_ptr="*i64")
+                               "tile_seq_ptr", "tile_first_ptr"), "*i32"), pos_ptr="*i64",
+                sinks_ptr="*fp32")
     strides = dict.fromkeys(("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb",
                              "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
-                             "stride_bt"), "i32")  # all but stride_bt multiples of head_dim
-    return AotCase(f"paged_attention_{dtype}_d{head_dim}_g{group}_m{block_m}",
+                             "stride_bt"), "i32")  # all but stride_bt multiples of 16
+    options = (f"_v{v_dim}" if v_dim != head_dim else "") + ("_window" if window else "") + (
+        "_sinks" if sinks else "")
+    return AotCase(f"paged_attention_{dtype}_d{head_dim}_g{group}_m{block_m}{options}",
                    "chainspec.kernels.paged_attention:_paged_attention_kernel",
-                   {**ptrs, "scale_log2": "fp32", **strides},
-                   dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=block_m,
-                        TILE_N=32, DOT_FP32=dtype == "fp32"),
-                   num_warps=8 if dtype == "fp32" else 4, num_stages=2,
+                   {**ptrs, "scale_log2": "fp32", "window": "i32", **strides},
+                   dict(GROUP=group, HEAD_DIM=head_dim, V_DIM=v_dim, DK_PAD=_pad(head_dim),
+                        DV_PAD=_pad(v_dim), BLOCK_SIZE=16, BLOCK_M=block_m, TILE_N=32,
+                        DOT_FP32=dtype == "fp32", HAS_WINDOW=window, HAS_SINKS=sinks),
+                   num_warps=num_warps or (8 if dtype == "fp32" else 4), num_stages=2,
                    divisible=tuple(strides)[:-1])
 
 
@@ -114,6 +127,12 @@ CASES += [
     _attention("fp16", 64, 4, 64),
     _attention("bf16", 64, 2, 16),
     _attention("fp32", 128, 8, 16),  # fp32 dots (ieee): tiles stay at 16 rows x heads
+    # MiMo-V2-Flash's sliding layers (keys 192 padded to 256, values 128, window, sinks)
+    _attention("bf16", 192, 8, 64, v_dim=128, window=True, sinks=True),
+    _attention("bf16", 192, 16, 16, v_dim=128, window=True, sinks=True),
+    _attention("fp16", 64, 2, 16, window=True),
+    _attention("fp32", 64, 4, 16, v_dim=32, window=True, sinks=True),
+    _attention("bf16", 576, 16, 16, v_dim=512, num_warps=8),  # a latent cache (MLA)
     _store_kv("bf16", 128, 8),
     _store_kv("fp16", 64, 4),
 ]

@@ -5,7 +5,10 @@ mixed batches, and the kernel's host-side tiling plan.
 Cases (attention_cases.py) cover decode rows at block edges, verify windows, prefill
 chunks, padding rows, GQA 1/2/4/8, head dims 16/32/64/128, block sizes 8/16/64, shuffled
 blocks with out-of-range table entries past each sequence, interleaved packing, a strided q,
-a cache dtype unlike q's, and a batch large enough for 64-row tiles.
+a cache dtype unlike q's, a batch large enough for 64-row tiles, and the layer kinds'
+options: sliding windows whose given-back blocks hold NaN, sinks, value widths unlike the
+keys' (own tensor or a strided view of the keys: MLA's latent cache), head widths that
+are no power of two.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from chainspec.kernels.paged_attention import (
     paged_attention_reference,
 )
 from chainspec.kernels.triton_support import use_kernel
-from tests.unit.kernels.attention_cases import CASES, TOLERANCE, build, dense_oracle
+from tests.unit.kernels.attention_cases import (
+    CASES,
+    TOLERANCE,
+    build,
+    dense_oracle,
+    paged_from_dense,
+)
 from tests.unit.kernels.interpreted import check_names as _check_names
 from tests.unit.kernels.interpreted import interpreted_results
 
@@ -30,8 +39,9 @@ from tests.unit.kernels.interpreted import interpreted_results
 def test_reference_matches_dense_oracle(case) -> None:
     args = build(case)["args"]
     got = paged_attention(**args)  # CPU tensors: the dispatch takes the reference
-    assert got.dtype == args["q"].dtype and got.shape == args["q"].shape
     want = dense_oracle(args)
+    assert got.dtype == args["q"].dtype and got.shape == want.shape
+    assert not got.isnan().any(), "a given-back (NaN) block reached the output"
     pad = args["row_seq"] < 0
     assert torch.all(got[pad] == 0), "padding rows must return zeros"
     err = (got.double() - want).abs().max().item()
@@ -56,6 +66,43 @@ def test_rows_see_only_their_sequence_and_positions() -> None:
     other = args["k_cache"].clone()
     other[[b for b in range(other.shape[0]) if b not in args["block_tables"][seq]]] = 7.0
     assert torch.equal(paged_attention_reference(**{**args, "k_cache": other})[t], base[t])
+
+
+DENSE_OPTIONS = [(None, False), (5, False), (5, True), (None, True), (1, True), (40, True)]
+
+
+@pytest.mark.parametrize(("window", "sinks"), DENSE_OPTIONS)
+def test_reference_matches_dense_attention(window: int | None, sinks: bool) -> None:
+    """Whole sequences through the paged reference equal kernels/dense_attention.py (the
+    training and oracle path) with the same window, sinks and value width."""
+    args, want = paged_from_dense(window or 0, window, sinks)
+    got = paged_attention(**args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def check_kernel_matches_dense_attention() -> None:
+    for window, sinks in DENSE_OPTIONS:
+        args, want = paged_from_dense(window or 0, window, sinks)
+        got = paged_attention(**args)  # inside kernels_on_cpu(): the Triton kernel
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_window_and_sinks_change_the_output() -> None:
+    """The options are not ignored: a window or sinks move rows that see past them."""
+    plain, _ = paged_from_dense(3, None, False)
+    base = paged_attention(**plain)
+    for window, sinks in ((5, False), (None, True)):
+        args, _ = paged_from_dense(3, window, sinks)
+        moved = (paged_attention(**args) - base).abs().amax((1, 2))  # [T]
+        assert moved.max() > 1e-2
+        if window is not None:  # rows 0..window-1 of each sequence see their whole past
+            assert moved[:window].max() < 1e-5
+
+
+def test_sinks_of_the_wrong_size_are_refused() -> None:
+    args, _ = paged_from_dense(0, None, True)
+    with pytest.raises(ValueError, match="sinks"):
+        paged_attention(**{**args, "sinks": args["sinks"][:-1]})
 
 
 def test_cpu_tensors_take_the_reference() -> None:
@@ -94,6 +141,7 @@ def _make_check(case):
         got = paged_attention(**args)  # inside kernels_on_cpu(): the Triton kernel
         want = paged_attention_reference(**args)
         assert got.dtype == want.dtype and got.shape == want.shape
+        assert not got.isnan().any(), "a given-back (NaN) block reached the output"
         pad = args["row_seq"] < 0
         assert torch.all(got[pad] == 0), "padding rows must return zeros"
         err = (got.double() - want.double()).abs().max().item()
