@@ -109,15 +109,18 @@ def _attention(dtype: str, head_dim: int, group: int, block_m: int, v_dim: int |
                    divisible=tuple(strides)[:-1])
 
 
-def _store_kv(dtype: str, head_dim: int, heads: int) -> AotCase:
+def _store_kv(dtype: str, head_dim: int, heads: int, v_dim: int | None = None) -> AotCase:
     sig = {**dict.fromkeys(("k_ptr", "v_ptr", "kc_ptr", "vc_ptr"), f"*{dtype}"),
            "slot_ptr": "*i64",
            **dict.fromkeys(("stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_kcb",
                             "stride_kcs", "stride_kch", "stride_vcb", "stride_vcs",
                             "stride_vch", "num_heads"), "i32")}
-    return AotCase(f"store_kv_{dtype}_d{head_dim}_h{heads}",
+    v_dim = v_dim or head_dim
+    pad = 1 << (head_dim - 1).bit_length(), 1 << (v_dim - 1).bit_length()
+    return AotCase(f"store_kv_{dtype}_d{head_dim}_v{v_dim}_h{heads}",
                    "chainspec.kernels.kv_store:_store_kv_kernel", sig,
-                   dict(BLOCK_SIZE=16, HEADS=heads, HEAD_DIM=head_dim), num_warps=4,
+                   dict(BLOCK_SIZE=16, HEADS=heads, HEAD_DIM=head_dim, V_DIM=v_dim,
+                        DK_PAD=pad[0], DV_PAD=pad[1]), num_warps=4,
                    divisible=tuple(sig)[5:-1])
 
 
@@ -135,6 +138,7 @@ CASES += [
     _attention("bf16", 576, 16, 16, v_dim=512, num_warps=8),  # a latent cache (MLA)
     _store_kv("bf16", 128, 8),
     _store_kv("fp16", 64, 4),
+    _store_kv("bf16", 192, 8, v_dim=128),  # MiMo-V2-Flash's sliding layers
 ]
 
 @pytest.mark.parametrize("cap", CAPABILITIES, ids=lambda c: f"sm{c}")

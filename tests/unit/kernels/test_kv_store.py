@@ -19,17 +19,21 @@ SHAPES = {
     "h3_d64_bs8_f32_into_bf16": (3, 64, 8, torch.float32, torch.bfloat16, False),
     "h8_d128_bs16_f16_strided": (8, 128, 16, torch.float16, torch.float16, True),
     "h1_d16_bs32_bf16": (1, 16, 32, torch.bfloat16, torch.bfloat16, False),
+    "h4_d48_v24_bs4_f32": (4, 48, 4, torch.float32, torch.float32, True),
+    "h2_d192_v128_bs16_bf16": (2, 192, 16, torch.bfloat16, torch.bfloat16, False),
 }
+V_DIM = {"h4_d48_v24_bs4_f32": 24, "h2_d192_v128_bs16_bf16": 128}  # values unlike keys
 
 
 def _inputs(name: str, rows: int = 23, num_blocks: int = 7) -> tuple:
     heads, dim, bs, dtype, cache_dtype, strided = SHAPES[name]
+    v_dim = V_DIM.get(name, dim)
     gen = torch.Generator().manual_seed(len(name))
     k_cache = torch.randn(num_blocks, bs, heads, dim, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(num_blocks, bs, heads, dim, generator=gen).to(cache_dtype)
-    kv = torch.randn(rows, 3 * heads * dim, generator=gen).to(dtype)  # [T, (q|k|v) heads*D]
+    v_cache = torch.randn(num_blocks, bs, heads, v_dim, generator=gen).to(cache_dtype)
+    kv = torch.randn(rows, heads * (2 * dim + v_dim), generator=gen).to(dtype)  # [T, q|k|v]
     k = kv[:, heads * dim: 2 * heads * dim].view(rows, heads, dim)
-    v = kv[:, 2 * heads * dim:].view(rows, heads, dim)
+    v = kv[:, 2 * heads * dim:].view(rows, heads, v_dim)
     if not strided:
         k, v = k.contiguous(), v.contiguous()
     slots = torch.randperm(num_blocks * bs, generator=gen)[:rows]
