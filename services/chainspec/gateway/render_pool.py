@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 START_TIMEOUT_S = 60.0  # a worker's interpreter start (imports), not counted in timeout_s
+NICENESS = 10  # workers' scheduling priority below the gateway's
 
 
 class RenderTimeout(Exception):
@@ -87,6 +88,7 @@ class _Worker:
         self._target, self._memory_bytes = target, memory_bytes
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
+        self._ready = False  # the child said so
         self._lock = threading.Lock()  # guards _busy/_closed against close()
         self._busy = self._closed = False
 
@@ -105,10 +107,13 @@ class _Worker:
 
     def _exchange(self, job: Any, timeout_s: float) -> Any:
         try:
-            conn = self._conn if self._conn is not None else self._start()
+            if self._conn is None:
+                self._spawn()
+            conn = self._wait_ready()
             conn.send(job)
             if not conn.poll(timeout_s):
                 self._stop()
+                self._spawn()  # NOTE: it starts while nobody waits for it
                 raise RenderTimeout(f"no answer within {timeout_s:g} s")
             reply = conn.recv()
         except (EOFError, OSError):
@@ -118,7 +123,7 @@ class _Worker:
             return reply[1]
         raise RenderFailed(reply[1], reply[2])
 
-    def _start(self) -> Connection:
+    def _spawn(self) -> None:
         ours, theirs = socket.socketpair()
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -128,9 +133,13 @@ class _Worker:
         self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
                                       env=env, stdin=subprocess.DEVNULL)
         theirs.close()
-        self._conn = Connection(ours.detach())
-        if not self._conn.poll(START_TIMEOUT_S) or self._conn.recv() != "ready":
-            raise EOFError  # NOTE: handled as a dead worker
+        self._conn, self._ready = Connection(ours.detach()), False
+
+    def _wait_ready(self) -> Connection:
+        if not self._ready:
+            if not self._conn.poll(START_TIMEOUT_S) or self._conn.recv() != "ready":
+                raise EOFError  # NOTE: handled as a dead worker
+            self._ready = True
         return self._conn
 
     def _stop(self) -> None:
@@ -160,6 +169,7 @@ def serve(fd: int, target: str, memory_bytes: int) -> None:
     module, _, name = target.partition(":")
     fn = getattr(importlib.import_module(module), name)
     _limit_memory(memory_bytes)
+    os.nice(NICENESS)  # NOTE: after the imports; a runaway job yields the CPU to serving
     conn = Connection(fd)
     conn.send("ready")
     while True:
