@@ -8,7 +8,8 @@ attention and SwiGLU; nothing from chainspec's layers):
     u       = concat(enorm(Emb(x[p+k])), hnorm(g[k-1][p]))   # [hidden, emb] for MiMo
     g[k][p] = Block_m(eh_proj(u)),  m = (k-1) mod L
     logits  = LMHead(final_norm_m(g[k][p]))
-with g[0] = h, and g[k-1] replaced by h in non-chain mode.
+with g[0] = h, and g[k-1] replaced by h in non-chain mode. DeepSeek-V3's MTP layers (an MLA
+block) have their own golden test in tests/unit/families/test_deepseek_v3.py.
 """
 
 from __future__ import annotations
@@ -53,9 +54,6 @@ class Family:
 FAMILIES = {
     "llama_demo": Family("LlamaForCausalLM", "deepseek", with_target=True,
                          config={"num_nextn_predict_layers": MODULES}),
-    "deepseek_v3": Family("DeepseekV3ForCausalLM", "deepseek", shared_copies=True,
-                          config={"num_nextn_predict_layers": MODULES, "kv_lora_rank": 16,
-                                  "n_routed_experts": 4}),
     "glm4_moe": Family("Glm4MoeForCausalLM", "deepseek", qkv_bias=True, qk_norm=True,
                        config={"num_nextn_predict_layers": MODULES, "attention_bias": True,
                                "use_qk_norm": True, "partial_rotary_factor": 0.5}),

@@ -6,8 +6,8 @@ module i, `mtp.{i}.enorm.weight`, `mtp.{i}.hnorm.weight`, `mtp.{i}.eh_proj.weigh
 each lives in one family's checkpoints, which concat order and norm convention the glue
 uses, and which config field counts the modules.
 
-Families whose real target decoder chainspec does not implement (DeepSeek MLA, GLM MoE,
-Qwen3-Next linear attention) still load as drafters: the MTP block is chainspec's
+Families whose real target decoder chainspec does not implement (GLM MoE, Qwen3-Next
+linear attention) still load as drafters: the MTP block is chainspec's
 Llama-style decoder layer, shaped by the config's hidden/heads/intermediate fields
 (`draft_config`). Checkpoints whose MTP block is MLA or MoE fail on its unexpected tensors.
 """
@@ -148,7 +148,6 @@ class DraftBlock:
 
 
 DRAFT_ONLY_BLOCKS = {
-    "DeepseekV3ForCausalLM": DraftBlock(),
     "Glm4MoeForCausalLM": DraftBlock(qk_norm_key="use_qk_norm", bias_key="attention_bias"),
     "Qwen3NextForCausalLM": DraftBlock(qk_norm=True),
 }

@@ -7,8 +7,8 @@ from chainspec.models.families.base import Family
 
 
 def _families() -> tuple[Family, ...]:
-    from chainspec.models.families import llama, qwen3_5
-    return (*llama.FAMILIES, *qwen3_5.FAMILIES)
+    from chainspec.models.families import deepseek_v3, llama, qwen3_5
+    return (*llama.FAMILIES, *qwen3_5.FAMILIES, *deepseek_v3.FAMILIES)
 
 
 def registry() -> dict[str, Family]:
