@@ -71,6 +71,8 @@ def test_defaults_and_env_key(capsys, monkeypatch) -> None:
     ("drafter: {replica: 2}\n", "drafter: unknown keys replica"),
     ("gateway: {port: 70000}\n", "gateway.port must be in [0, 65535]"),
     ("gateway: {max_in_flight: 0}\n", "gateway.max_in_flight"),
+    ("gateway: {trust_request_chat_template: 'yes'}\n",
+     "gateway.trust_request_chat_template must be true or false"),
     ("gateway: 3\n", "gateway: expected a mapping"),
     ("start_timeout_s: 0\n", "start_timeout_s"),
     ("- a\n", "expected a mapping at the top level"),
@@ -100,3 +102,15 @@ def test_gateway_command_dry_run(capsys, tmp_path) -> None:
     assert out["gateway"]["api_key"] == "<set>" and out["gateway"]["port"] == 0
     assert main(["gateway", "--verifier", "nohostport", "--dry-run"]) == 2
     assert "expected HOST:PORT" in capsys.readouterr().err
+
+
+def test_request_chat_templates_are_trusted_only_when_asked(tmp_path, capsys) -> None:
+    def trusted(*argv: str) -> bool:
+        out = dry_run(capsys, *argv)
+        return (out.get("config") or out)["gateway"]["trust_request_chat_template"]
+    path = tmp_path / "serve.yaml"
+    path.write_text("gateway: {trust_request_chat_template: true}\n")
+    assert trusted("serve") is False and trusted("serve", "--config", str(path)) is True
+    assert trusted("serve", "--trust-request-chat-template") is True
+    assert trusted("gateway", "--verifier", "h:1") is False
+    assert trusted("gateway", "--verifier", "h:1", "--trust-request-chat-template") is True
