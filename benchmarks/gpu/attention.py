@@ -84,12 +84,13 @@ class PagedBackend:
     def __init__(self, setup: PagedSetup, attend_fn, scale: float) -> None:
         self.setup, self.attend_fn, self.scale = setup, attend_fn, scale
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-               ) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               *, scale: float | None = None, **options) -> torch.Tensor:
+        del options  # full attention only (the Llama shapes this benchmark times)
         p = self.setup
         store_kv(k, v, p.k_caches[layer], p.v_caches[layer], p.slots)
         return self.attend_fn(q, p.k_caches[layer], p.v_caches[layer], p.tables, p.row_seq,
-                              p.positions, self.scale)
+                              p.positions, self.scale if scale is None else scale)
 
 
 def synthetic_model(shape: Shape, layers: int, ctx: Context) -> TargetModel:
