@@ -17,6 +17,7 @@ when its parent process is gone, or on the parent's death signal (Linux).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import socket
@@ -113,7 +114,8 @@ class _Worker:
             conn.send(job)
             if not conn.poll(timeout_s):
                 self._stop()
-                self._spawn()  # NOTE: it starts while nobody waits for it
+                with contextlib.suppress(OSError):  # else the next call starts one
+                    self._spawn()  # NOTE: it starts while nobody waits for it
                 raise RenderTimeout(f"no answer within {timeout_s:g} s")
             reply = conn.recv()
         except (EOFError, OSError):
