@@ -8,7 +8,8 @@
   prompts that cross prefill-chunk and block boundaries.
 - The MTP layer (`model.layers.{N}`, native layout, random weights) loads through
   `load_draft_model` with its MLA block, and matches a plainly written reference of the
-  family's equations; greedy speculative output equals plain at K = 1..4, batch 1/3/8.
+  family's equations; greedy speculative output equals plain at K = 1..4, batch 1/3/8;
+  modules that `train-mtp` writes for a DeepSeek target load back in that layout.
 - A missing or mis-shaped MTP tensor, or a MoE config, fails with one line naming it.
 """
 
@@ -25,8 +26,15 @@ from chainspec.models.errors import CheckpointError
 from chainspec.models.kv_cache import ModelKVCache
 from chainspec.models.loader import load_draft_model, load_target
 from chainspec.models.mla import LatentAttention
+from chainspec.training.mtp_export import write_folder
+from chainspec.training.mtp_model import TargetWithMTP
 from tests.unit.engine_fixtures import engine, outputs, prompts
-from tests.unit.families.deepseek_v3_checkpoint import YARN, mtp_prefix, write_with_mtp
+from tests.unit.families.deepseek_v3_checkpoint import (
+    YARN,
+    mtp_prefix,
+    write_target,
+    write_with_mtp,
+)
 
 VOCAB = 256
 BLOCK = 4
@@ -238,6 +246,26 @@ def test_drafter_matches_reference(tmp_path, modules):
     for s, (x, h) in seqs.items():
         ours = [(torch.cat(g), model.logits(k, torch.cat(g))) for k, g in enumerate(got[s], 1)]
         assert_steps_equal(ours, reference_steps(t, cfg, x, h, modules, steps))
+
+
+@torch.no_grad()
+def test_train_mtp_modules_load_back_in_the_family_layout(tmp_path):
+    """`train-mtp`'s output for a DeepSeek target: MLA blocks at model.layers.{N+i},
+    loaded by `load_draft_model` into the same drafter that was trained."""
+    target_dir, out = tmp_path / "target", tmp_path / "out"
+    write_target(target_dir, num_nextn_predict_layers=0)
+    trained = TargetWithMTP(load_target(target_dir), 2)
+    trained.init_mtp(seed=3, std=0.3)
+    write_folder(trained, target_dir, out, copy=False)
+    draft = load_draft_model(out)
+    assert draft.num_modules == 2 and isinstance(draft.mtp[1].block.self_attn, LatentAttention)
+    x, h = inputs(trained.config, 0)
+    ours, theirs = h, h
+    for k in (1, 2):
+        ours = draft.step(k, x[k: k + SEQ], ours, torch.arange(SEQ), DenseCausal(1, SEQ))
+        theirs = trained.draft.step(k, x[k: k + SEQ], theirs, torch.arange(SEQ),
+                                    DenseCausal(1, SEQ))
+        torch.testing.assert_close(draft.logits(k, ours), trained.draft.logits(k, theirs))
 
 
 # --- errors -------------------------------------------------------------------------------
