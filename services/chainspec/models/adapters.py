@@ -125,7 +125,17 @@ QWEN3_NEXT = MTPAdapter(
 # zero-centred natively (`families/qwen3_5.py`): loaded unchanged.
 QWEN3_5 = replace(QWEN3_NEXT, family="qwen3_5", zero_centred_block_norms=False)
 
-ADAPTERS = {a.family: a for a in (DEEPSEEK, MIMO, QWEN3_NEXT, QWEN3_5)}
+# MiMo-V2-Flash (`families/mimo_v2_flash.py`): the hub's `model.mtp.layers.{i}.*`.
+MIMO_V2 = MTPAdapter(
+    family="mimo_v2",
+    glue=MTPGlue(hidden_first=False),
+    layer_prefix="model.mtp.layers.{}.",
+    glue_names={"enorm": "{p}enorm.weight", "hnorm": "{p}hnorm.weight",
+                "eh_proj": "{p}eh_proj.weight", "final_norm": "{p}final_layernorm.weight"},
+    namespace=r"model\.mtp\.",
+)
+
+ADAPTERS = {a.family: a for a in (DEEPSEEK, MIMO, QWEN3_NEXT, QWEN3_5, MIMO_V2)}
 
 # Checkpoint architectures with an MTP family of their own. Target families (Llama, ...)
 # that carry `num_nextn_predict_layers` use DeepSeek naming (the demo model does).
@@ -135,6 +145,7 @@ ARCHITECTURE_FAMILIES = {
     "MiMoForCausalLM": "mimo",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "MiMoV2FlashForCausalLM": "mimo_v2",
 }
 
 

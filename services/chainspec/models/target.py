@@ -50,12 +50,15 @@ class TargetModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden states after the final norm [T, hidden]."""
+        """input_ids, positions [T] -> the exported hidden states [T, hidden]: after the
+        final norm, or before it where the family's MTP reads that (`hidden_before_norm`)."""
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, backend)
-        return self.model.norm(x)
+        return x if self.family.hidden_before_norm else self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T, hidden] -> [T, vocab]."""
+        """[T, hidden] (as `forward` exports it) -> [T, vocab]."""
+        if self.family.hidden_before_norm:
+            hidden = self.model.norm(hidden)
         return self.lm_head(hidden)

@@ -59,3 +59,6 @@ class Family:
     mtp: Any = None  # MTPAdapter: where the family's MTP tensors live and their glue
     mtp_block: Callable[[ModelConfig, int | None], MTPBlock] | None = None
     notes: str = ""  # one line for docs and errors: layer kinds, MTP layout
+    # the exported h is the last layer's output before the final norm (what the family's
+    # MTP layers read); `TargetModel.logits` applies the norm
+    hidden_before_norm: bool = False
