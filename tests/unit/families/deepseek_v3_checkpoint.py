@@ -81,7 +81,7 @@ def mtp_tensors(cfg: DeepseekV3Config, embed: torch.Tensor, head: torch.Tensor,
         eh = torch.randn(h, 2 * h, generator=gen) / (2 * h) ** 0.5
         if final_norm is not None:
             _quiet_residuals(layer, 0.1)
-            eh = torch.cat([torch.eye(h), 0.1 * eh[:, h:]], dim=1)
+            eh = torch.cat([torch.eye(h), 0.3 * eh[:, h:]], dim=1)
         out.update({p + k: v.detach().clone() for k, v in layer.state_dict().items()})
         out[p + "enorm.weight"] = (torch.ones(h) if final_norm is not None
                                    else 1.0 + 0.2 * torch.randn(h, generator=gen))

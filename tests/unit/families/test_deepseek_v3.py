@@ -10,6 +10,8 @@
   `load_draft_model` with its MLA block, and matches a plainly written reference of the
   family's equations; greedy speculative output equals plain at K = 1..4, batch 1/3/8;
   modules that `train-mtp` writes for a DeepSeek target load back in that layout.
+- DESIGN 3.5: per-position acceptance in the engine (packed and static verify buffers)
+  equals the offline simulation within 0.02, and a non-chained mutant fails the check.
 - A missing or mis-shaped MTP tensor, or a MoE config, fails with one line naming it.
 """
 
@@ -21,13 +23,21 @@ from safetensors.torch import load_file, save_file
 
 from chainspec.engine.kv_budget import KVBudget
 from chainspec.engine.runner import merged_stats
+from chainspec.engine.verify_graphs import VerifyGraphs
 from chainspec.models.attention import AttnBatch, DenseCausal, PagedAttention, SeqRows
 from chainspec.models.errors import CheckpointError
 from chainspec.models.kv_cache import ModelKVCache
 from chainspec.models.loader import load_draft_model, load_target
 from chainspec.models.mla import LatentAttention
+from chainspec.training.evaluate import simulate_rounds
 from chainspec.training.mtp_export import write_folder
 from chainspec.training.mtp_model import TargetWithMTP
+from tests.acceptance_audit import (
+    TOLERANCE,
+    assert_acceptance_matches,
+    engine_acceptance,
+    rate_gaps,
+)
 from tests.unit.engine_fixtures import engine, outputs, prompts
 from tests.unit.families.deepseek_v3_checkpoint import (
     YARN,
@@ -99,9 +109,9 @@ def agreeing(tmp_path_factory):
     return path
 
 
-def verifier(path, draft=None, k: int = 1):
+def verifier(path, draft=None, k: int = 1, chain: bool = True):
     kv = KVBudget(block_size=BLOCK)
-    return engine(load_target(path), draft, k=k, chunk=5, kv=kv, drafter_kv=kv)
+    return engine(load_target(path), draft, k=k, chain=chain, chunk=5, kv=kv, drafter_kv=kv)
 
 
 def test_greedy_generation_equals_transformers(checkpoint):
@@ -135,6 +145,34 @@ def test_speculative_equals_plain(agreeing, plain, k, batch):
     stats = merged_stats(completions, k)  # drafts were at stake, at every depth
     assert stats.accepted_tokens > 0.15 * stats.draft_tokens
     assert stats.accepted_per_pos[k - 1] > 0
+
+
+@pytest.mark.parametrize("mode", ["packed", "static"])
+def test_acceptance_equals_the_offline_simulation(agreeing, mode):
+    """DESIGN 3.5: per-position acceptance in the engine (the verifier's packed path with
+    the drafter's static buffers; or the verifier's static verify buffers with the
+    drafter's packed path) equals `simulate_rounds` of the same modules within 0.02."""
+    k, every = 3, prompts(8, VOCAB, seed=7)
+    draft = load_draft_model(agreeing)
+    eng = verifier(agreeing, draft, k)
+    if mode == "static":
+        eng.graphs = VerifyGraphs(eng.model, eng.cache, eng.config.max_seqs, k,
+                                  eng.config.max_len, use_graphs=False, static_on_cpu=True)
+        eng.drafter.engine.runner.fits = lambda windows: False
+    want = simulate_rounds(eng.model, draft, every, k, 16)
+    got = engine_acceptance(eng, every, 16)
+    assert min(want.rates) > 0.05  # drafts at stake at every position
+    assert_acceptance_matches(got, want)
+
+
+def test_acceptance_check_fails_when_steps_read_the_target_hidden_state(agreeing):
+    """The mutant: steps 2..K fed h instead of g[k-1] (a drafter in non-chain mode)
+    against the chained simulation: the check must see it."""
+    k, every = 3, prompts(8, VOCAB, seed=7)
+    draft = load_draft_model(agreeing)
+    eng = verifier(agreeing, draft, k, chain=False)
+    want = simulate_rounds(eng.model, draft, every, k, 16)
+    assert max(rate_gaps(engine_acceptance(eng, every, 16), want)) > TOLERANCE
 
 
 # --- the MTP equations, written plainly from the checkpoint tensors ------------------------
