@@ -12,9 +12,11 @@ last K-1 conv inputs, [C, K-1]) and S. A verify window keeps both after every ro
 that j accepted drafts continue from row j's state (DESIGN 4.9); the engine says which
 through `backend.recurrent(layer)`.
 
-This row-by-row torch form is the CPU path and the oracle (computed in fp32, as
-transformers does). NOTE: no CUDA kernel yet: flash-linear-attention's chunked kernel
-returns only the final state, and its fused recurrent one would serve verify windows.
+This row-by-row torch form is the oracle and the path of verify windows and decode rows;
+spans that keep only their last state (prefill chunks) take the chunked form of the same
+rule (`delta_rule_chunked`), tested equal to it. Both in fp32, as transformers computes.
+NOTE: no CUDA kernel yet: flash-linear-attention's chunked kernel returns only the final
+state (prefill chunks), and its fused recurrent one would serve verify windows.
 
 Tensor names are Qwen3.5's (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`);
 a family with fused projections (Qwen3-Next's `in_proj_qkvz`, `in_proj_ba`) overrides
@@ -80,6 +82,39 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+CHUNKED_FROM = 8  # spans that keep only their last state, this long or longer: chunked
+CHUNK = 16
+
+
+def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       log_decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                       chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over n rows, `chunk` at a time: q, k [n, H, Dk], v [n, H, Dv],
+    log_decay, beta [n, H], state [H, Dk, Dv] -> outputs [n, H, Dv] and the final state.
+
+    Within a chunk, with G_t the cumulative log decay and S0 the state at its start, the
+    rows' updates d_t = beta_t (v_t - S_{t-1}^T k_t) solve a unit lower-triangular system
+        d_t + beta_t sum_{i<t} e^(G_t - G_i) (k_t . k_i) d_i = beta_t (v_t - e^(G_t) S0^T k_t)
+    and then o_t = e^(G_t) S0^T q_t + sum_{i<=t} e^(G_t - G_i) (q_t . k_i) d_i,
+    S = e^(G_last) S0 + sum_i e^(G_last - G_i) k_i d_i^T."""
+    outs = []
+    for lo in range(0, q.shape[0], chunk):
+        qc, kc, vc = (x[lo:lo + chunk].transpose(0, 1) for x in (q, k, v))  # [H, c, D]
+        bc = beta[lo:lo + chunk].T[..., None]  # [H, c, 1]
+        g = log_decay[lo:lo + chunk].T.cumsum(-1)  # [H, c]
+        c = g.shape[-1]
+        rel = (g[:, :, None] - g[:, None, :]).masked_fill(
+            ~torch.ones(c, c, dtype=torch.bool, device=g.device).tril(), float("-inf")).exp()
+        lower = (bc * rel * (kc @ kc.transpose(1, 2))).tril(-1)  # [H, c, c]
+        eye = torch.eye(c, device=g.device)
+        rhs = bc * (vc - g.exp()[..., None] * (kc @ state))  # [H, c, Dv]
+        d = torch.linalg.solve_triangular(eye + lower, rhs, upper=False, unitriangular=True)
+        outs.append(g.exp()[..., None] * (qc @ state) + (rel * (qc @ kc.transpose(1, 2))) @ d)
+        last = (g[:, -1:] - g).exp()[..., None]  # [H, c, 1]
+        state = g[:, -1].exp()[:, None, None] * state + (kc * last).transpose(1, 2) @ d
+    return torch.cat(outs, dim=1).transpose(0, 1), state
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, hidden_size: int, shape: GDNShape, layer_id: int) -> None:
         super().__init__()
@@ -114,15 +149,15 @@ class GatedDeltaNet(nn.Module):
         access = backend.recurrent(self.layer_id)
         mixed, z, b, a = self.project(x)
         beta = b.float().sigmoid()  # [T, Hv]
-        decay = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).exp()
+        log_decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         core = torch.zeros(rows, s.num_v_heads, s.v_head_dim, device=x.device)  # pad rows: 0
         for seq, (lo, hi) in enumerate(access.spans):
-            core[lo:hi] = self._span(access, seq, mixed[lo:hi], decay[lo:hi], beta[lo:hi])
+            core[lo:hi] = self._span(access, seq, mixed[lo:hi], log_decay[lo:hi], beta[lo:hi])
         out = self.norm(core.to(x.dtype), z)  # [T, Hv, Dv]
         return self.out_proj(out.reshape(rows, -1))
 
     def _span(self, access: RecurrentAccess, seq: int, mixed: torch.Tensor,
-              decay: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+              log_decay: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         """One sequence's rows, from its committed state; stores the states it keeps."""
         s, n = self.shape, mixed.shape[0]
         conv_state, state = self._initial(access.load(seq), mixed.device)
@@ -135,6 +170,18 @@ class GatedDeltaNet(nn.Module):
         k = l2norm(k.reshape(n, s.num_k_heads, -1)).repeat_interleave(group, 1)
         q = q * s.k_head_dim ** -0.5  # [n, Hv, Dk]
         v = v.reshape(n, s.num_v_heads, s.v_head_dim)
+        if access.keeps_every_row(seq) or n < CHUNKED_FROM:
+            return self._rows(access, seq, inputs, (q, k, v), log_decay, beta, state)
+        out, state = delta_rule_chunked(q, k, v, log_decay, beta, state)
+        access.store(seq, n - 1, (inputs[n:].T, state))
+        return out
+
+    def _rows(self, access: RecurrentAccess, seq: int, inputs: torch.Tensor,
+              qkv: tuple[torch.Tensor, ...], log_decay: torch.Tensor, beta: torch.Tensor,
+              state: torch.Tensor) -> torch.Tensor:
+        """The row form (the oracle), storing the states the sequence keeps."""
+        (q, k, v), n = qkv, log_decay.shape[0]
+        decay = log_decay.exp()
         keep = access.keeps_every_row(seq)
         out = []
         for t in range(n):
@@ -143,7 +190,7 @@ class GatedDeltaNet(nn.Module):
             state = state + k[t][:, :, None] * delta[:, None, :]
             out.append(torch.einsum("hkv,hk->hv", state, q[t]))
             if keep or t == n - 1:
-                access.store(seq, t, (inputs[t + 1:t + s.conv_kernel].T, state))
+                access.store(seq, t, (inputs[t + 1:t + self.shape.conv_kernel].T, state))
         return torch.stack(out)  # [n, Hv, Dv]
 
     def _initial(self, loaded: tuple[torch.Tensor, ...] | None, device: torch.device
