@@ -48,8 +48,8 @@ def _runner(model, cache, use_graphs: bool) -> GraphRunner:
 def test_replay_equals_eager(num_seqs: int) -> None:
     model = tiny_draft_model(2).to(CUDA)
     cfg = model.config
-    caches = [ModelKVCache.uniform(K, NUM_BLOCKS, BLOCK, cfg.num_kv_heads, cfg.head_dim, device=CUDA)
-              for _ in range(2)]
+    caches = [ModelKVCache.uniform(K, NUM_BLOCKS, BLOCK, cfg.num_kv_heads, cfg.head_dim,
+                                   device=CUDA) for _ in range(2)]
     graphs, eager = _runner(model, caches[0], True), _runner(model, caches[1], False)
     assert len(graphs.graphs) == len(graphs.buckets)
     for round_seed in range(3):  # several replays of the same graph with new inputs
