@@ -128,7 +128,7 @@ QWEN3_5 = replace(QWEN3_NEXT, family="qwen3_5", zero_centred_block_norms=False)
 # MiMo-V2-Flash (`families/mimo_v2_flash.py`): the hub's `model.mtp.layers.{i}.*`.
 MIMO_V2 = MTPAdapter(
     family="mimo_v2",
-    glue=MTPGlue(hidden_first=False),
+    glue=MTPGlue(hidden_first=False, chains=False),  # every step reads the target's h
     layer_prefix="model.mtp.layers.{}.",
     glue_names={"enorm": "{p}enorm.weight", "hnorm": "{p}hnorm.weight",
                 "eh_proj": "{p}eh_proj.weight", "final_norm": "{p}final_layernorm.weight"},

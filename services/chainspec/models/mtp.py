@@ -32,6 +32,7 @@ class MTPGlue:
 
     hidden_first: bool = False  # concat order: [hidden, emb] (MiMo) vs [emb, hidden]
     unit_offset_norms: bool = False  # norms scale by (1 + w) (Qwen3-Next)
+    chains: bool = True  # step k reads g[k-1]; False: every step reads h (MiMo-V2-Flash)
 
 
 class MTPModule(nn.Module):
