@@ -44,12 +44,16 @@ class MTPAdapter:
     zero_centred_block_norms: bool = False  # block norms stored as w for (1 + w)
 
     def __post_init__(self) -> None:
-        if set(self.glue_names) != set(GLUE_PARTS):
+        if set(self.glue_names) - {"head"} != set(GLUE_PARTS):
             raise ValueError(f"{self.family}: glue_names must cover {GLUE_PARTS}")
+        if ("head" in self.glue_names) != self.glue.own_heads:
+            raise ValueError(f"{self.family}: a 'head' name goes with glue.own_heads")
 
     def num_modules(self, hf: dict[str, Any]) -> int:
-        """How many MTP modules the config declares (0 when none)."""
-        return next((int(hf[k] or 0) for k in self.count_keys if k in hf), 0)
+        """How many MTP modules the config declares (0 when none); a multimodal
+        release declares them in its `text_config`."""
+        fields = {**(hf.get("text_config") or {}), **hf}
+        return next((int(fields[k] or 0) for k in self.count_keys if k in fields), 0)
 
     def module_prefix(self, i: int, num_target_layers: int) -> str:
         offset = num_target_layers if self.offset_by_target_layers else 0
@@ -135,7 +139,20 @@ MIMO_V2 = MTPAdapter(
     namespace=r"model\.mtp\.",
 )
 
-ADAPTERS = {a.family: a for a in (DEEPSEEK, MIMO, QWEN3_NEXT, QWEN3_5, MIMO_V2)}
+# Step-3.5/3.7-Flash (`families/step3.py`): DeepSeek placement, each layer its own head.
+STEP3 = MTPAdapter(
+    family="step3",
+    glue=MTPGlue(hidden_first=False, unit_offset_norms=True, own_heads=True),  # chained
+    layer_prefix="model.layers.{}.",
+    glue_names={"enorm": "{p}enorm.weight", "hnorm": "{p}hnorm.weight",
+                "eh_proj": "{p}eh_proj.weight", "final_norm": "{p}shared_head.norm.weight",
+                "head": "{p}shared_head.output.weight"},
+    namespace=r"model\.layers\.(\d+)\.",
+    offset_by_target_layers=True,
+    shared_copies=("embed_tokens.weight",),
+)
+
+ADAPTERS = {a.family: a for a in (DEEPSEEK, MIMO, QWEN3_NEXT, QWEN3_5, MIMO_V2, STEP3)}
 
 # Checkpoint architectures with an MTP family of their own. Target families (Llama, ...)
 # that carry `num_nextn_predict_layers` use DeepSeek naming (the demo model does).
@@ -145,7 +162,9 @@ ARCHITECTURE_FAMILIES = {
     "MiMoForCausalLM": "mimo",
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "MiMoV2FlashForCausalLM": "mimo_v2",
+    "Step3p5ForCausalLM": "step3",
 }
 
 

@@ -33,6 +33,7 @@ class MTPGlue:
     hidden_first: bool = False  # concat order: [hidden, emb] (MiMo) vs [emb, hidden]
     unit_offset_norms: bool = False  # norms scale by (1 + w) (Qwen3-Next)
     chains: bool = True  # step k reads g[k-1]; False: every step reads h (MiMo-V2-Flash)
+    own_heads: bool = False  # each module has its own LM head (Step-3.5's shared_head.output)
 
 
 class MTPModule(nn.Module):
@@ -47,6 +48,8 @@ class MTPModule(nn.Module):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.block = block  # the family's MTP decoder layer (its attention kind)
         self.final_norm = RMSNorm(h, eps, offset)
+        if glue.own_heads:
+            self.head = nn.Linear(h, cfg.vocab_size, bias=False)
         self.hidden_first = glue.hidden_first
 
     def forward(self, token_emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -124,5 +127,8 @@ class MTPDraftModel(nn.Module):
         return module(emb, prev, positions, _StepLayer(backend, step - 1))
 
     def logits(self, step: int, g: torch.Tensor) -> torch.Tensor:
-        """g [T, H] -> [T, vocab], through step k's module final norm and the shared head."""
-        return self.lm_head(self.module_for_step(step).final_norm(g))
+        """g [T, H] -> [T, vocab], through step k's module final norm and the shared head
+        (the module's own head where the family has one)."""
+        module = self.module_for_step(step)
+        head = module.head if self.glue.own_heads else self.lm_head
+        return head(module.final_norm(g))

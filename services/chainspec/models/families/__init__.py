@@ -7,8 +7,9 @@ from chainspec.models.families.base import Family
 
 
 def _families() -> tuple[Family, ...]:
-    from chainspec.models.families import deepseek_v3, llama, mimo_v2_flash, qwen3_5
-    return (*llama.FAMILIES, *qwen3_5.FAMILIES, *deepseek_v3.FAMILIES, *mimo_v2_flash.FAMILIES)
+    from chainspec.models.families import deepseek_v3, llama, mimo_v2_flash, qwen3_5, step3
+    return (*llama.FAMILIES, *qwen3_5.FAMILIES, *deepseek_v3.FAMILIES, *mimo_v2_flash.FAMILIES,
+            *step3.FAMILIES)
 
 
 def registry() -> dict[str, Family]:
