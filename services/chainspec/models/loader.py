@@ -17,6 +17,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from chainspec.models import moe
 from chainspec.models.adapters import (
     MTPAdapter,
     adapter_for,
@@ -120,7 +121,8 @@ def _listed(names: set[str]) -> str:
 
 
 def _check_unexpected(files: CheckpointFiles, known: set[str]) -> None:
-    extra = {n for n in files.names() - known if not n.endswith(IGNORED_SUFFIXES)}
+    extra = {n for n in files.names() - known if not n.endswith(IGNORED_SUFFIXES)
+             and moe.stacked_name(n) not in known}  # experts stored per expert: read stacked
     if extra:
         where = sorted({files.file_of(n).name for n in extra})
         raise CheckpointError(f"{files.model_dir}: unexpected tensors {_listed(extra)} "
@@ -145,16 +147,27 @@ def _read_all(files: CheckpointFiles, names: dict[str, str], model: nn.Module,
               ) -> dict[str, torch.Tensor]:
     """Read `names` (model key -> checkpoint name): all present first, then shapes."""
     present = files.names()
-    missing = set(names.values()) - present
+    expected = model.state_dict()
+    try:  # stacked experts may be stored per expert (models/moe.py)
+        parts = {key: moe.expert_parts(name, tuple(expected[key].shape), present)
+                 for key, name in names.items()}
+    except CheckpointError as e:
+        raise CheckpointError(f"{files.model_dir}: {e}") from e
+    stored = {n for key, name in names.items()
+              for n in (parts[key].names if parts[key] else [name])}
+    missing = stored - present
     if missing:
         raise CheckpointError(f"{files.model_dir}: missing tensor {_listed(missing)}")
-    expected = model.state_dict()
     state = {}
     headers_only = torch.device(device).type == "meta"  # a check (`models/validate.py`)
     for key, name in names.items():
-        tensor = files.read(name, tuple(expected[key].shape), data=not headers_only)
+        def read(n: str, shape: tuple[int, ...]) -> torch.Tensor:
+            return files.read(n, shape, data=not headers_only)
+        split = parts[key]
+        tensor = split.read(read) if split else read(name, tuple(expected[key].shape))
         tensor = convert(key, tensor) if convert else tensor
-        state[key] = tensor.to(device=device, dtype=dtype)
+        keep = key.endswith(moe.FP32_SUFFIXES)  # e.g. the router's correction bias
+        state[key] = tensor.to(device=device, dtype=torch.float32 if keep else dtype)
     return state
 
 
