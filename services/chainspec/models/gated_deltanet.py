@@ -15,8 +15,9 @@ through `backend.recurrent(layer)`.
 This row-by-row torch form is the oracle and the path of verify windows and decode rows;
 spans that keep only their last state (prefill chunks) take the chunked form of the same
 rule (`delta_rule_chunked`), tested equal to it. Both in fp32, as transformers computes.
-NOTE: no CUDA kernel yet: flash-linear-attention's chunked kernel returns only the final
-state (prefill chunks), and its fused recurrent one would serve verify windows.
+On CUDA tensors with a pooled state the layer takes the Triton kernels of
+`kernels/gated_delta.py` instead (conv and the fused recurrent rule over every span, long
+prefill spans too: correct, slower than chunked), tested equal to the row form.
 
 Tensor names are Qwen3.5's (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`);
 a family with fused projections (Qwen3-Next's `in_proj_qkvz`, `in_proj_ba`) overrides
@@ -31,9 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chainspec.kernels import gated_delta
+from chainspec.kernels.triton_support import use_kernel
 from chainspec.models.cache_spec import StateSpec
 from chainspec.models.layers import AttentionBackend
-from chainspec.models.recurrent import RecurrentAccess
+from chainspec.models.recurrent import PooledStates, RecurrentAccess
 
 
 @dataclass(frozen=True)
@@ -145,16 +148,40 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 backend: AttentionBackend) -> torch.Tensor:
         del positions  # order is the state's business
-        s, rows = self.shape, x.shape[0]
+        rows = x.shape[0]
         access = backend.recurrent(self.layer_id)
         mixed, z, b, a = self.project(x)
         beta = b.float().sigmoid()  # [T, Hv]
         log_decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        core = torch.zeros(rows, s.num_v_heads, s.v_head_dim, device=x.device)  # pad rows: 0
-        for seq, (lo, hi) in enumerate(access.spans):
-            core[lo:hi] = self._span(access, seq, mixed[lo:hi], log_decay[lo:hi], beta[lo:hi])
+        if use_kernel(x) and isinstance(access, PooledStates):
+            core = self._core_kernel(access, mixed, log_decay, beta)
+        else:
+            core = self._core_reference(access, mixed, log_decay, beta)
         out = self.norm(core.to(x.dtype), z)  # [T, Hv, Dv]
         return self.out_proj(out.reshape(rows, -1))
+
+    def _core_reference(self, access: RecurrentAccess, mixed: torch.Tensor,
+                        log_decay: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """The torch form (CPU path, oracle): conv + rule per span -> [T, Hv, Dv] fp32."""
+        s = self.shape
+        core = torch.zeros(mixed.shape[0], s.num_v_heads, s.v_head_dim,
+                           device=mixed.device)  # pad rows: 0
+        for seq, (lo, hi) in enumerate(access.spans):
+            core[lo:hi] = self._span(access, seq, mixed[lo:hi], log_decay[lo:hi], beta[lo:hi])
+        return core
+
+    def _core_kernel(self, access: PooledStates, mixed: torch.Tensor,
+                     log_decay: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """The Triton kernels over every span at once, no host sync (CUDA graphs)."""
+        s, n = self.shape, mixed.shape[0]
+        conv_pool, state_pool = access.pool
+        conv = gated_delta.conv1d_rows(mixed, self.conv1d.weight[:, 0], conv_pool,
+                                       access.rows)  # [T, C] fp32
+        q, k, v = conv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        return gated_delta.delta_rule_rows(
+            q.view(n, s.num_k_heads, s.k_head_dim), k.view(n, s.num_k_heads, s.k_head_dim),
+            v.view(n, s.num_v_heads, s.v_head_dim), log_decay, beta, state_pool,
+            access.rows)
 
     def _span(self, access: RecurrentAccess, seq: int, mixed: torch.Tensor,
               log_decay: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:

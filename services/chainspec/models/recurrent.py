@@ -29,6 +29,7 @@ class StateRows:
     seq_starts: torch.Tensor  # [S + 1] int64: span starts, then the last end (kernels)
     slot_ids: torch.Tensor  # [S] int64
     src_rows: torch.Tensor  # [S] int64
+    keep_flags: torch.Tensor  # [S] int64: 1 = keep every row's state (kernels)
 
     @classmethod
     def build(cls, seqs: Sequence[tuple[int, int, bool]], spans: Sequence[tuple[int, int]],
@@ -41,8 +42,9 @@ class StateRows:
         def t(x) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)
         starts = [a for a, _ in spans] + [spans[-1][1] if spans else 0]
-        return cls(tuple(spans), slots, src, tuple(k for _, _, k in seqs), t(starts),
-                   t(slots), t(src))
+        keep = tuple(bool(k) for _, _, k in seqs)
+        return cls(tuple(spans), slots, src, keep, t(starts), t(slots), t(src),
+                   t([int(k) for k in keep]))
 
 
 class RecurrentAccess(Protocol):

@@ -141,6 +141,43 @@ CASES += [
     _store_kv("bf16", 192, 8, v_dim=128),  # MiMo-V2-Flash's sliding layers
 ]
 
+
+def _gdn_conv(dtype: str, pool: str, kernel: int) -> AotCase:
+    sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "pool_ptr": f"*{pool}",
+           "out_ptr": "*fp32", **dict.fromkeys(("starts_ptr", "slot_ptr", "src_ptr",
+                                                "keep_ptr"), "*i64"),
+           "C": "i32", "stride_ps": "i32", "stride_pr": "i32"}
+    return AotCase(f"gdn_conv1d_{dtype}_pool_{pool}_k{kernel}",
+                   "chainspec.kernels.gated_delta:_conv1d_rows_kernel", sig,
+                   dict(KERNEL=kernel, BLOCK_C=256), num_warps=4, num_stages=3,
+                   divisible=("C", "stride_ps", "stride_pr"))
+
+
+def _gdn_rule(pool: str, dk: int, dv: int, group: int, heads: int) -> AotCase:
+    """Qwen3.5 / Qwen3-Next: Dk = Dv = 128, 16 key heads, 32 or 48 value heads."""
+    sig = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr"), "*fp32"),
+           "pool_ptr": f"*{pool}", "out_ptr": "*fp32",
+           **dict.fromkeys(("starts_ptr", "slot_ptr", "src_ptr", "keep_ptr"), "*i64"),
+           "scale": "fp32", **dict.fromkeys(("stride_qt", "stride_qh", "stride_kt",
+                                              "stride_kh", "stride_vt", "stride_vh",
+                                              "stride_ps", "stride_pr"), "i32")}
+    return AotCase(f"gdn_delta_rule_pool_{pool}_dk{dk}_dv{dv}_g{group}",
+                   "chainspec.kernels.gated_delta:_delta_rule_rows_kernel", sig,
+                   dict(GROUP=group, HV=heads, DK=dk, DV=dv,
+                        DK_PAD=1 << (dk - 1).bit_length(), BLOCK_V=min(32, dv), EPS=1e-6),
+                   num_warps=4, num_stages=3, divisible=tuple(sig)[-8:])
+
+
+CASES += [
+    _gdn_conv("bf16", "bf16", 4),  # Qwen3.5 (conv kernel 4)
+    _gdn_conv("fp32", "fp32", 4),
+    _gdn_conv("fp16", "fp16", 2),
+    _gdn_rule("bf16", 128, 128, 2, 32),
+    _gdn_rule("fp32", 128, 128, 3, 48),
+    _gdn_rule("bf16", 256, 128, 1, 16),  # a wider key head: the state [256, 32] still fits
+    _gdn_rule("fp16", 96, 64, 2, 8),  # no power of two: masked lanes
+]
+
 @pytest.mark.parametrize("cap", CAPABILITIES, ids=lambda c: f"sm{c}")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_kernel_compiles_within_target_limits(case: AotCase, cap: int) -> None:
