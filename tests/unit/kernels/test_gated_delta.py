@@ -12,6 +12,7 @@ channel / value blocks per program."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -166,6 +167,31 @@ def check_forward_dispatches_to_the_kernels() -> None:
         core = layer._core_reference(PooledStates(want_pools, rows), *_gates(layer, x))
         want = layer.out_proj(layer.norm(core, z).reshape(x.shape[0], -1))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def next_step(rows: StateRows, device: torch.device | str = "cpu") -> StateRows:
+    """The same spans and slots, every src moved, keep flipped where the span fits."""
+    seqs = [(slot, (src + 2) % KEPT_ROWS - 1, not keep if hi - lo <= KEPT_ROWS else keep)
+            for slot, src, keep, (lo, hi) in zip(rows.slots, rows.src, rows.keep,
+                                                  rows.spans, strict=True)]
+    return StateRows.build(seqs, rows.spans, device)
+
+
+def check_kernels_read_only_the_device_tensors() -> None:
+    """A captured graph keeps the host fields of its capture step: with them stale and
+    the device tensors of the next step, the kernels compute the next step."""
+    layer, x, rows, pools = _case(SHAPES[0], 3)
+    fresh = next_step(rows)
+    stale = dataclasses.replace(fresh, slots=rows.slots, src=rows.src, keep=rows.keep)
+    assert stale.src != fresh.src and stale.keep != fresh.keep
+    with torch.no_grad():
+        gates = _gates(layer, x)
+        want_pools = tuple(p.clone() for p in pools)
+        want = layer._core_reference(PooledStates(want_pools, fresh), *gates)
+        got = layer._core_kernel(PooledStates(pools, stale), *gates)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for g, w in zip(pools, want_pools, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
 
 
 interpreted = interpreted_results(__name__)
