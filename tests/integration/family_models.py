@@ -69,18 +69,18 @@ def _agree(path: Path, family: str, hf) -> None:
 def write_family(path: Path, family: str, mtp: bool = True, seed: int = 0) -> Path:
     """A model directory of `family` (tokenizer, target, and with `mtp` its native MTP
     layers; without, a target for `train-mtp` whose config declares none)."""
-    write_tokenizer(path, 300)
+    eot = write_tokenizer(path, 300)
     vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
+    shape = dict(vocab_size=vocab, eos_token_id=eot, bos_token_id=eot)
     if family == "deepseek_v3":
         if mtp:
-            deepseek.write_with_mtp(path, seed=seed, agreeing=True, vocab_size=vocab)
+            deepseek.write_with_mtp(path, seed=seed, agreeing=True, **shape)
         else:
-            deepseek.write_target(path, seed, QUIET, vocab_size=vocab,
-                                  num_nextn_predict_layers=0)
+            deepseek.write_target(path, seed, QUIET, num_nextn_predict_layers=0, **shape)
         return path
     builder = qwen if family == "qwen3_5" else mimo
     extra = {"mtp_num_hidden_layers": 1} if family == "qwen3_5" and mtp else {}
-    hf = builder.write_target(path, seed, vocab_size=vocab, **extra)
+    hf = builder.write_target(path, seed, **shape, **extra)
     _quiet(hf, QUIET)
     hf.save_pretrained(path)
     if mtp:

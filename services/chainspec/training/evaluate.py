@@ -74,8 +74,9 @@ def draft_from_scratch(model: TargetWithMTP, tokens: list[int], hidden: torch.Te
     prev, drafts = hidden[:rows], []
     for k in range(1, model.num_mtp + 1):
         inputs = torch.tensor((tokens + drafts)[k: k + rows], device=model.device)  # x[p+k]
-        prev = model.draft.step(k, inputs, prev, positions, backend)  # g[k] [rows, H]
-        drafts.append(int(model.draft.logits(k, prev[-1:]).argmax(-1)))
+        g = model.draft.step(k, inputs, prev, positions, backend)  # g[k] [rows, H]
+        drafts.append(int(model.draft.logits(k, g[-1:]).argmax(-1)))
+        prev = g if model.draft.glue.chains else hidden[:rows]  # MiMo-V2-Flash: h
     return drafts
 
 
