@@ -48,6 +48,10 @@ class TargetWithMTP(nn.Module):
     def init_mtp(self, seed: int, std: float = 0.02) -> None:
         """Fresh MTP modules: the same rule as `init_normal`, over the modules only."""
         init_normal(self.draft.mtp, seed, std, self.config.num_layers + self.num_mtp)
+        if self.adapter.glue.own_heads:  # each module's own head starts as the target's
+            with torch.no_grad():
+                for module in self.draft.mtp:
+                    module.head.weight.copy_(self.target.lm_head.weight)
 
 
 def init_normal(module: nn.Module, seed: int, std: float, depth: int) -> None:

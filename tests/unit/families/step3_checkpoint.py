@@ -79,6 +79,7 @@ def write_target(path: Path, seed: int = 0, **extra) -> Step3p5CausalLM:
     cfg.save_pretrained(path)
     config = json.loads((path / "config.json").read_text())
     config["architectures"] = ["Step3p5ForCausalLM"]
+    config["torch_dtype"] = "float32"  # as a model save writes it
     (path / "config.json").write_text(json.dumps(config))
     return model
 

@@ -83,19 +83,20 @@ class Step3Config(ModelConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        m = self.num_mtp_layers
+        n = self.num_layers
+        # NOTE: the MTP lists are not held to num_mtp_layers: train-mtp re-counts modules
         for name, kinds, count, known in (
-                ("layer_types", self.layer_types, self.num_layers, {FULL, SLIDING}),
-                ("mlp_layer_types", self.mlp_layer_types, self.num_layers, {DENSE, SPARSE}),
-                ("mtp_layer_types", self.mtp_layer_types, m, {FULL, SLIDING}),
-                ("mtp_mlp_layer_types", self.mtp_mlp_layer_types, m, {DENSE, SPARSE})):
-            if len(kinds) != count:
+                ("layer_types", self.layer_types, n, {FULL, SLIDING}),
+                ("mlp_layer_types", self.mlp_layer_types, n, {DENSE, SPARSE}),
+                ("mtp_layer_types", self.mtp_layer_types, None, {FULL, SLIDING}),
+                ("mtp_mlp_layer_types", self.mtp_mlp_layer_types, None, {DENSE, SPARSE})):
+            if count is not None and len(kinds) != count:
                 raise CheckpointError(f"{name} has {len(kinds)} entries for {count} layers")
             if set(kinds) - known:
                 raise CheckpointError(f"unsupported {name} {sorted(set(kinds) - known)}")
-        if len(self.swiglu_limits) != self.num_layers + m:
+        if len(self.swiglu_limits) < n:
             raise CheckpointError(f"swiglu_limits_shared has {len(self.swiglu_limits)} "
-                                  f"entries for {self.num_layers} layers")
+                                  f"entries for {n} layers")
         moe = [i for i, kind in enumerate(self.mlp_layer_types) if kind == SPARSE]
         if moe:
             raise CheckpointError(f"{ARCH}: MoE layers {_spans(moe)} (mlp_layer_types "
@@ -116,14 +117,19 @@ class Step3Config(ModelConfig):
 
     def limit(self, index: int) -> float | None:
         """The dense MLP clamp of layer `index` (MTP layers follow the target's)."""
-        return self.swiglu_limits[index]
+        return self.swiglu_limits[index] if index < len(self.swiglu_limits) else None
+
+    @property
+    def mtp_kind(self) -> str:
+        """The MTP layers' attention kind (transformers' default: full)."""
+        return self.mtp_layer_types[0] if self.mtp_layer_types else FULL
 
     def check_mtp(self) -> None:
         """The MTP layers chainspec builds: dense, all of one attention kind."""
         if SPARSE in self.mtp_mlp_layer_types:
             raise CheckpointError(f"{ARCH}: MoE MTP layers (mtp_mlp_layer_types 'sparse') "
                                   f"are not supported; dense only")
-        n, m = self.num_layers, self.num_mtp_layers
+        n, m = self.num_layers, max(self.num_mtp_layers, 1)
         if len(set(self.mtp_layer_types)) > 1 or len({self.limit(n + i) for i in range(m)}) > 1:
             raise CheckpointError(f"{ARCH}: MTP layers of different kinds or swiglu limits "
                                   f"({list(self.mtp_layer_types)}) are not supported")
@@ -142,8 +148,8 @@ def _spans(indices: list[int]) -> str:
 def _split(cfg: dict[str, Any], key: str, n: int, m: int) -> tuple[list | None, list | None]:
     """A per-layer list, and its MTP entries where the hub padded it with them."""
     value = cfg.get(key)
-    if isinstance(value, list) and m and len(value) == n + m:
-        return value[:n], value[n:]
+    if isinstance(value, list) and len(value) > n:
+        return value[:n], value[n:n + m]
     return value, None
 
 
@@ -291,9 +297,9 @@ def build(cfg: Step3Config, cache_len: int | None) -> DecoderParts:
 
 def mtp_block(cfg: Step3Config, cache_len: int | None) -> MTPBlock:
     cfg.check_mtp()
-    kind = cfg.mtp_layer_types[0]
-    rotary = _rotary(cfg, kind, cache_len)
-    return MTPBlock(DecoderLayer(cfg, 0, kind, rotary, cfg.limit(cfg.num_layers)), [rotary])
+    rotary = _rotary(cfg, cfg.mtp_kind, cache_len)
+    block = DecoderLayer(cfg, 0, cfg.mtp_kind, rotary, cfg.limit(cfg.num_layers))
+    return MTPBlock(block, [rotary])
 
 
 STEP3P5 = Family(
