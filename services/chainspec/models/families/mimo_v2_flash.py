@@ -11,8 +11,24 @@ shape, as transformers builds them:
 - both: keys `head_dim` wide, values `v_head_dim`, values scaled by
   `attention_value_scale`, partial RoPE (`partial_rotary_factor`, 0.334).
 MLP kinds by `mlp_layer_types`: `dense` (SwiGLU); `sparse` (MoE) is refused for now.
-Configs are transformers' layout (what `save_pretrained` writes); checkpoint tensors are
-the hub's names (transformers saves those: `attention_sink_bias`, not `sinks`).
+Configs parse in transformers' layout (what `save_pretrained` writes) and in the hub's
+original one (what SGLang's `mimo_v2_flash.py` and vLLM's read), field for field:
+
+| transformers | hub |
+|---|---|
+| `layer_types` | `hybrid_layer_pattern` (0 full, 1 sliding) |
+| `mlp_layer_types` | `moe_layer_freq` (0 dense, 1 MoE) |
+| sliding kv heads: 2 x `num_key_value_heads` | `swa_num_key_value_heads` |
+| `sliding_window` (keys a row sees, itself included) | `sliding_window_size` + 1 (keys |
+| | before the row: SGLang's window; transformers adds the 1 too) |
+| `rope_parameters[kind]` | `rope_theta`, `swa_rope_theta`, `partial_rotary_factor` |
+| `rms_norm_eps` | `layernorm_epsilon` |
+| sinks on sliding layers only | `add_swa_attention_sink_bias`, `add_full_attention_sink_bias` |
+Refused by name: `swa_num_attention_heads` / `swa_head_dim` / `swa_v_head_dim` other than
+the full layers' (no release differs), `attention_projection_layout` "fused_qkv" (a fused
+`qkv_proj` tensor), pattern values other than 0/1, an integer `moe_layer_freq`.
+Checkpoint tensors are the hub's names (transformers saves those: `attention_sink_bias`,
+not `sinks`).
 
 MTP glue (the hub's `model.mtp.layers.{i}.*`; SGLang `mimo_v2_flash_nextn.py` with its
 multi-layer EAGLE worker, vLLM `mimo_v2_mtp.py`):
@@ -67,9 +83,15 @@ class MiMoV2FlashConfig(ModelConfig):
     layer_types: tuple[str, ...] = ()
     mlp_layer_types: tuple[str, ...] = ()
     sliding_rope: RopeConfig = field(default_factory=RopeConfig)
+    sliding_kv_heads: int | None = None  # None: twice num_kv_heads (transformers' layout)
+    sliding_sinks: bool = True
+    full_sinks: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.num_heads % self.swa_kv_heads:
+            raise CheckpointError(f"num_attention_heads {self.num_heads} is not a multiple "
+                                  f"of swa_num_key_value_heads {self.swa_kv_heads}")
         for name, kinds, known in (("layer_types", self.layer_types, {FULL, SLIDING}),
                                    ("mlp_layer_types", self.mlp_layer_types, {DENSE, SPARSE})):
             if len(kinds) != self.num_layers:
@@ -79,15 +101,21 @@ class MiMoV2FlashConfig(ModelConfig):
                 raise CheckpointError(f"unsupported {name} {sorted(set(kinds) - known)}")
         if SPARSE in self.mlp_layer_types:
             raise CheckpointError("MiMoV2FlashForCausalLM: MoE layers (mlp_layer_types "
-                                  "'sparse') are not supported yet; dense layers only")
+                                  "'sparse', moe_layer_freq 1) are not supported yet; "
+                                  "dense layers only")
+
+    @property
+    def swa_kv_heads(self) -> int:
+        return self.sliding_kv_heads or 2 * self.num_kv_heads
 
     def shape(self, kind: str, value_scale: bool = True) -> AttentionShape:
         sliding = kind == SLIDING
         return AttentionShape(
-            self.hidden_size, self.num_heads, self.num_kv_heads * (2 if sliding else 1),
+            self.hidden_size, self.num_heads,
+            self.swa_kv_heads if sliding else self.num_kv_heads,
             self.head_dim, self.v_head_dim, self.sliding_window if sliding else None,
-            sinks=sliding, value_scale=self.value_scale if value_scale else 1.0,
-            bias=self.qkv_bias)
+            sinks=self.sliding_sinks if sliding else self.full_sinks,
+            value_scale=self.value_scale if value_scale else 1.0, bias=self.qkv_bias)
 
     def rope_of(self, kind: str) -> RopeConfig:
         return self.sliding_rope if kind == SLIDING else self.rope
@@ -97,17 +125,70 @@ def _default_layer_types(n: int) -> list[str]:
     return [FULL if i == 0 or (i + 1) % 6 == 0 else SLIDING for i in range(n)]
 
 
+HUB_ATTENTION = {0: FULL, 1: SLIDING}  # `hybrid_layer_pattern` values
+HUB_MLP = {0: DENSE, 1: SPARSE}  # `moe_layer_freq` values
+HUB_SAME_AS_FULL = {"swa_num_attention_heads": "num_attention_heads",
+                    "swa_head_dim": "head_dim", "swa_v_head_dim": "v_head_dim"}
+
+
 def _rope(cfg: dict[str, Any], kind: str, default_theta: float) -> RopeConfig:
-    params = (cfg.get("rope_parameters") or {}).get(kind) or {}
+    """transformers' `rope_parameters[kind]`, else the hub's `rope_theta` (full) or
+    `swa_rope_theta` (sliding) with `partial_rotary_factor` and `rope_scaling`."""
+    params = (cfg.get("rope_parameters") or {}).get(kind)
+    if params is None:
+        theta_key = "swa_rope_theta" if kind == SLIDING else "rope_theta"
+        scaling = cfg.get("rope_scaling") or {}
+        params = {"rope_theta": cfg.get(theta_key, default_theta),
+                  "rope_type": scaling.get("rope_type", scaling.get("type", "default")),
+                  "factor": scaling.get("factor", 1.0),
+                  "partial_rotary_factor": cfg.get("partial_rotary_factor", 0.334)}
     return RopeConfig(theta=float(params.get("rope_theta", default_theta)),
                       type=params.get("rope_type", "default"),
                       factor=float(params.get("factor", 1.0)),
                       partial_rotary_factor=float(params.get("partial_rotary_factor", 0.334)))
 
 
+def _kinds(cfg: dict[str, Any], name: str, hub: str, table: dict[int, str],
+           default: list[str]) -> tuple[str, ...]:
+    """A per-layer pattern: transformers' `name` (kind names), else the hub's `hub`
+    (integer codes, `table`), else `default`."""
+    if cfg.get(name):
+        return tuple(cfg[name])
+    codes = cfg.get(hub)
+    if codes is None:
+        return tuple(default)
+    if not isinstance(codes, list):
+        raise CheckpointError(f"unsupported {hub} {codes!r}: one entry per layer expected")
+    unknown = sorted({repr(c) for c in codes if c not in table})
+    if unknown:
+        raise CheckpointError(f"unsupported {hub} values {', '.join(unknown)} (known: "
+                              f"{', '.join(f'{c} {k}' for c, k in table.items())})")
+    return tuple(table[c] for c in codes)
+
+
+def _window(cfg: dict[str, Any]) -> int:
+    """Keys a sliding row sees, itself included: the hub's `sliding_window_size` counts
+    those before it (transformers' config adds 1 to it as well)."""
+    if cfg.get("sliding_window_size") is not None:
+        return int(cfg["sliding_window_size"]) + 1
+    return int(cfg.get("sliding_window") or 129)
+
+
+def _check_hub_fields(cfg: dict[str, Any]) -> None:
+    for swa, full in HUB_SAME_AS_FULL.items():
+        if cfg.get(swa) is not None and cfg.get(full) is not None and cfg[swa] != cfg[full]:
+            raise CheckpointError(f"{swa} {cfg[swa]} differs from {full} {cfg[full]}: "
+                                  f"not supported")
+    if cfg.get("attention_projection_layout") == "fused_qkv":
+        raise CheckpointError("attention_projection_layout 'fused_qkv' (one qkv_proj "
+                              "tensor) is not supported; q/k/v_proj only")
+
+
 def parse(cfg: dict[str, Any], arch: str) -> MiMoV2FlashConfig:
     n = int(cfg["num_hidden_layers"])
     scale = cfg.get("attention_value_scale", 0.707)
+    _check_hub_fields(cfg)
+    kv = int(cfg["num_key_value_heads"])
     return MiMoV2FlashConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -115,10 +196,10 @@ def parse(cfg: dict[str, Any], arch: str) -> MiMoV2FlashConfig:
         intermediate_size=int(cfg["intermediate_size"]),
         num_layers=n,
         num_heads=int(cfg["num_attention_heads"]),
-        num_kv_heads=int(cfg["num_key_value_heads"]),
+        num_kv_heads=kv,
         head_dim=int(cfg.get("head_dim") or 192),
         max_position=int(cfg.get("max_position_embeddings", 131072)),
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rms_eps=float(cfg.get("rms_norm_eps", cfg.get("layernorm_epsilon", 1e-5))),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=bool(cfg.get("attention_bias", False)),
         rope=_rope(cfg, FULL, 5_000_000.0),
@@ -127,11 +208,16 @@ def parse(cfg: dict[str, Any], arch: str) -> MiMoV2FlashConfig:
         num_mtp_layers=MIMO_V2.num_modules(cfg),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         v_head_dim=int(cfg.get("v_head_dim") or 128),
-        sliding_window=int(cfg.get("sliding_window") or 129),
+        sliding_window=_window(cfg),
         value_scale=1.0 if scale is None else float(scale),
-        layer_types=tuple(cfg.get("layer_types") or _default_layer_types(n)),
-        mlp_layer_types=tuple(cfg.get("mlp_layer_types") or [DENSE] + [SPARSE] * (n - 1)),
+        layer_types=_kinds(cfg, "layer_types", "hybrid_layer_pattern", HUB_ATTENTION,
+                           _default_layer_types(n)),
+        mlp_layer_types=_kinds(cfg, "mlp_layer_types", "moe_layer_freq", HUB_MLP,
+                               [DENSE] + [SPARSE] * (n - 1)),
         sliding_rope=_rope(cfg, SLIDING, 10_000.0),
+        sliding_kv_heads=int(cfg.get("swa_num_key_value_heads") or 2 * kv),
+        sliding_sinks=bool(cfg.get("add_swa_attention_sink_bias", True)),
+        full_sinks=bool(cfg.get("add_full_attention_sink_bias", False)),
     )
 
 
