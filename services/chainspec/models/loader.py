@@ -10,6 +10,7 @@ tensor in the part of the checkpoint a load is responsible for may be left over.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -27,6 +28,7 @@ from chainspec.models.adapters import (
 from chainspec.models.checkpoint import CheckpointFiles
 from chainspec.models.config import ModelConfig, read_hf_config
 from chainspec.models.errors import CheckpointError
+from chainspec.models.families.base import Family, identity_name
 from chainspec.models.mtp import MTPDraftModel
 from chainspec.models.target import TargetModel
 
@@ -34,6 +36,7 @@ from chainspec.models.target import TargetModel
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 LISTED = 5  # names shown in an error message before "..."
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32,
@@ -45,13 +48,14 @@ def load_target(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     adapter = adapter_for(hf, architecture)
     with torch.device(device):
         model = TargetModel(cfg, cache_len)
-    names = {key: key for key in model.state_dict()}
-    known = set(names)  # a tied checkpoint may still carry lm_head.weight
+    name_of = model.family.checkpoint_name
+    names = {key: name_of(key) for key in model.state_dict()}
+    known = set(names.values())  # a tied checkpoint may still carry lm_head.weight
     if cfg.tie_word_embeddings:
-        names["lm_head.weight"] = "model.embed_tokens.weight"
+        names["lm_head.weight"] = name_of("model.embed_tokens.weight")
     with CheckpointFiles(model_dir) as files:
         owned = {n for n in files.names() if adapter and adapter.owns(n, cfg.num_layers)}
-        _check_unexpected(files, known | owned)
+        _check_unexpected(files, known | owned | _unread(files, model.family.unread))
         state = _read_all(files, names, model, dtype, device)
     _assign(model, state, model.model.embed_tokens if cfg.tie_word_embeddings else None)
     return model
@@ -70,24 +74,37 @@ def load_draft_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                               f"{architecture_of(hf, architecture)!r} declares no MTP modules")
     cfg = _parse_config(model_dir, lambda: draft_config(hf, adapter, architecture))
     count = _module_count(model_dir, cfg.num_mtp_layers, num_modules)
+    family = _family(cfg)
     with torch.device(device):
-        model = MTPDraftModel(cfg, count, adapter.glue, cache_len, _mtp_block(cfg))
-    names = {key: adapter.checkpoint_name(key, cfg.num_layers) for key in model.state_dict()}
+        model = MTPDraftModel(cfg, count, adapter.glue, cache_len,
+                              family.mtp_block if family else None)
+    rename = family.checkpoint_name if family else identity_name  # the target's layout
+    names = {key: rename(adapter.checkpoint_name(key, cfg.num_layers))
+             for key in model.state_dict()}
     if cfg.tie_word_embeddings:
-        names["lm_head.weight"] = "model.embed_tokens.weight"
+        names["lm_head.weight"] = rename("model.embed_tokens.weight")
     with CheckpointFiles(model_dir) as files:
-        _check_unexpected_mtp(files, adapter, model, cfg)
+        _check_unexpected_mtp(files, adapter, model, cfg, rename)
         state = _read_all(files, names, model, dtype, device, adapter.convert)
     _assign(model, state, model.embed_tokens if cfg.tie_word_embeddings else None)
     return model
 
 
-def _mtp_block(cfg: ModelConfig):
-    """The target family's MTP decoder layer (None, a Llama-style layer, for
-    architectures chainspec drafts for but does not serve as targets)."""
+def _family(cfg: ModelConfig) -> Family | None:
+    """The target family (its MTP decoder layer and tensor layout); None for
+    architectures chainspec drafts for but does not serve as targets (a Llama-style
+    layer, HF names)."""
     from chainspec.models.families import registry
-    family = registry().get(cfg.architecture)
-    return family.mtp_block if family is not None else None
+    return registry().get(cfg.architecture)
+
+
+def _unread(files: CheckpointFiles, prefixes: tuple[str, ...]) -> set[str]:
+    """Tensors of parts the family does not serve, named in one warning line."""
+    unread = {n for n in files.names() if n.startswith(prefixes)} if prefixes else set()
+    if unread:
+        log.warning("%s: %d tensors under %s left unread (not part of the text model "
+                    "chainspec serves)", files.model_dir, len(unread), ", ".join(prefixes))
+    return unread
 
 
 def _config_path(model_dir: str | Path) -> Path:
@@ -130,11 +147,11 @@ def _check_unexpected(files: CheckpointFiles, known: set[str]) -> None:
 
 
 def _check_unexpected_mtp(files: CheckpointFiles, adapter: MTPAdapter, model: MTPDraftModel,
-                          cfg: ModelConfig) -> None:
+                          cfg: ModelConfig, rename: Callable[[str], str]) -> None:
     """Every tensor in the family's MTP namespace must map onto a declared module."""
     n_layers, declared = cfg.num_layers, cfg.num_mtp_layers
     module_keys = list(model.mtp[0].state_dict())
-    known = {adapter.checkpoint_name(f"mtp.{i}.{key}", n_layers)
+    known = {rename(adapter.checkpoint_name(f"mtp.{i}.{key}", n_layers))
              for i in range(declared) for key in module_keys}
     owned = {n for n in files.names() if adapter.owns(n, n_layers)
              and not adapter.is_shared_copy(n, n_layers, declared)}

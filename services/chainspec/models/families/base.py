@@ -54,6 +54,9 @@ class Family:
     build: Callable[[ModelConfig, int | None], DecoderParts]  # (config, cache_len)
     # canonical `TargetModel` state key -> checkpoint tensor name (HF names: identity)
     checkpoint_name: Callable[[str], str] = identity_name
+    # checkpoint name prefixes of parts the family does not serve (a multimodal release's
+    # vision tower): left unread, with one warning line
+    unread: tuple[str, ...] = ()
     # a checkpoint tensor brought to chainspec's convention (e.g. zero-centred norms)
     convert: Callable[[str, torch.Tensor], torch.Tensor] = unchanged
     mtp: Any = None  # MTPAdapter: where the family's MTP tensors live and their glue

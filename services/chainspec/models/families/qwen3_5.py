@@ -1,4 +1,16 @@
-"""The Qwen3.5 dense family (`Qwen3_5ForCausalLM`, config model_type `qwen3_5_text`).
+"""The Qwen3.5 dense family (`Qwen3_5ForCausalLM`, config model_type `qwen3_5_text`), and
+its releases (`Qwen3_5ForConditionalGeneration`, what the hub's 0.8B-27B dense checkpoints
+are; config model_type `qwen3_5`).
+
+A release nests the text model's config in `text_config` (tie_word_embeddings and dtype
+at the top level win, as transformers reads them) and stores its tensors as
+`model.language_model.*` and `lm_head.weight`, beside a vision tower `model.visual.*`
+and the MTP layer `mtp.*` (vLLM's `Qwen3_5ForConditionalGeneration` and `Qwen3_5MTP`
+read the same names). chainspec serves the text model: the vision tower is left unread,
+with one warning line; the drafter reads `mtp.*`, the embedding and the head. Text-only
+positions are equal on MRoPE's three axes, so `mrope_section` reduces to plain RoPE.
+Refused by name: MoE text models (`num_experts`, `Qwen3_5Moe*`), an MTP layer with its own
+embedding (`mtp_use_dedicated_embeddings`), layer types other than the two below.
 
 Layer pattern: `layer_types` (default: three `linear_attention` then one
 `full_attention`, `full_attention_interval` 4). Layer kinds:
@@ -41,6 +53,8 @@ from chainspec.models.layers import MLP, Attention, AttentionBackend, RMSNorm
 from chainspec.models.rope import RotaryEmbedding
 
 LINEAR, FULL = "linear_attention", "full_attention"
+RELEASE_TEXT = "model.language_model."  # a release's text model tensors
+RELEASE_VISION = "model.visual."  # a release's vision tower: not served
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,7 @@ class Qwen3_5Config(ModelConfig):
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
     linear_conv_kernel: int = 4
+    mtp_dedicated_embeddings: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -77,6 +92,9 @@ def layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
 
 
 def parse(cfg: dict[str, Any], arch: str) -> Qwen3_5Config:
+    if cfg.get("num_experts"):
+        raise CheckpointError(f"{arch}: MoE text model (num_experts {cfg['num_experts']}) "
+                              f"is not supported yet; dense Qwen3.5 only")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     rope = RopeConfig.from_hf(cfg)
@@ -107,7 +125,32 @@ def parse(cfg: dict[str, Any], arch: str) -> Qwen3_5Config:
         linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
         linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
         linear_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        mtp_dedicated_embeddings=bool(cfg.get("mtp_use_dedicated_embeddings", False)),
     )
+
+
+def text_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """A release's text model config: `text_config`, with the top-level fields
+    transformers reads there (tie_word_embeddings, dtype)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{arch}: config has no text_config object")
+    kind = text.get("model_type", "qwen3_5_text")
+    if kind != "qwen3_5_text":
+        raise CheckpointError(f"{arch}: text_config model_type {kind!r} is not supported; "
+                              f"qwen3_5_text only")
+    top = {k: cfg[k] for k in ("tie_word_embeddings", "torch_dtype", "dtype") if k in cfg}
+    return {**text, **top}
+
+
+def parse_release(cfg: dict[str, Any], arch: str) -> Qwen3_5Config:
+    return parse(text_config(cfg, arch), arch)
+
+
+def release_name(key: str) -> str:
+    """Canonical `TargetModel` key -> a release's tensor name: the text model under
+    `model.language_model.`; `lm_head.*` and `mtp.*` unchanged."""
+    return RELEASE_TEXT + key.removeprefix("model.") if key.startswith("model.") else key
 
 
 class HybridDecoderLayer(nn.Module):
@@ -153,6 +196,9 @@ def build(cfg: Qwen3_5Config, cache_len: int | None) -> DecoderParts:
 
 
 def mtp_block(cfg: Qwen3_5Config, cache_len: int | None) -> MTPBlock:
+    if cfg.mtp_dedicated_embeddings:
+        raise CheckpointError(f"{cfg.architecture}: an MTP layer with its own embedding "
+                              f"(mtp_use_dedicated_embeddings) is not supported")
     rotary = _rotary(cfg, cache_len)
     return MTPBlock(HybridDecoderLayer(cfg, 0, rotary, FULL), [rotary])
 
@@ -164,4 +210,10 @@ QWEN3_5_DENSE = Family(
     notes="Gated DeltaNet + gated full attention (3:1), dense SwiGLU; MTP at mtp.*, "
           "[emb, hidden], reads h after the final norm, one full-attention layer",
 )
-FAMILIES = (QWEN3_5_DENSE,)
+QWEN3_5_RELEASE = replace(
+    QWEN3_5_DENSE, architectures=("Qwen3_5ForConditionalGeneration",),
+    parse=parse_release, checkpoint_name=release_name, unread=(RELEASE_VISION,),
+    notes=QWEN3_5_DENSE.notes + "; releases: text model at model.language_model.*, "
+          "vision tower model.visual.* left unread",
+)
+FAMILIES = (QWEN3_5_DENSE, QWEN3_5_RELEASE)
