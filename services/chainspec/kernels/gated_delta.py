@@ -49,11 +49,11 @@ def conv1d_rows(mixed: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tens
     if weight.shape[0] != c or conv_pool.shape[2:] != (c, k - 1) or not 2 <= k <= 4:
         raise ValueError(f"conv1d_rows: mixed {tuple(mixed.shape)}, weight "
                          f"{tuple(weight.shape)}, pool {tuple(conv_pool.shape)}")
+    if conv_pool.stride(-1) != 1 or conv_pool.stride(-2) != k - 1:
+        raise ValueError("conv1d_rows: the pool's [C, K-1] must be contiguous")
     _check_rows(rows, t)
     mixed, weight = mixed.contiguous(), weight.contiguous()
     out = torch.zeros(t, c, dtype=torch.float32, device=mixed.device)  # [T, C]
-    if conv_pool.stride(-1) != 1 or conv_pool.stride(-2) != k - 1:
-        raise ValueError("conv1d_rows: the pool's [C, K-1] must be contiguous")
     num_seqs = rows.slot_ids.shape[0]
     if num_seqs == 0 or t == 0:
         return out
