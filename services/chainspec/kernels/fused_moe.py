@@ -125,11 +125,10 @@ class Tiles:
 def pick_tiles(rows: int, top_k: int, num_experts: int, dtype: torch.dtype) -> Tiles:
     """Decode/verify (few pairs per expert): 16-row blocks waste least padding; prefill
     chunks: 64-row blocks reuse each weight tile across more rows. fp32: smaller K tiles."""
+    if dtype == torch.float32:  # ieee dots run on FMA units: 64-row tiles need ~255 regs
+        return Tiles(16, 64, 32, num_warps=4, num_stages=3)
     per_expert = rows * top_k / num_experts
-    block_k = 32 if dtype == torch.float32 else 64
-    if per_expert <= 16:
-        return Tiles(16, 64, block_k, num_warps=4, num_stages=3)
-    return Tiles(64, 64, block_k, num_warps=4, num_stages=3)
+    return Tiles(16 if per_expert <= 16 else 64, 64, 64, num_warps=4, num_stages=3)
 
 
 def _fused_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
