@@ -45,7 +45,7 @@ multi-layer EAGLE worker, vLLM `mimo_v2_mtp.py`):
 | | norm in `TargetModel.logits` |
 | token offset | step k at row p reads x[p+k] (SGLang rotates the input ids once per step) |
 | chain | **no**: every step reads the target's h (SGLang's chain list holds Step3.5 and |
-| | Inkling only); serve it with `--no-chain` |
+| | Inkling only); `MTPGlue.chains` False, so no `--no-chain` needed |
 | layer kind | one `sliding` layer (SWA heads/kv heads, window, sinks) + dense SwiGLU; no |
 | | value scale (SGLang's MTP layer passes none; vLLM's passes |
 | | `attention_value_scale`: `MTP_VALUE_SCALE` below is the one switch) |
