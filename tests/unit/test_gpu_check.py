@@ -40,8 +40,9 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     assert doc["ok"] and doc["meta"]["dry_run"]
     secs = doc["sections"]
-    assert set(secs) == {"draft_round", "verify_step", "attention", "small_kernels"}
-    for name in ("draft_round", "verify_step", "attention", "small_kernels"):
+    names = {"draft_round", "verify_step", "attention", "small_kernels", "moe"}
+    assert set(secs) == names
+    for name in names:
         assert "rows" in secs[name] and secs[name]["rows"], (name, secs[name])
     # graph and eager rounds draft the same tokens; the kernel matches its reference
     assert all(r["same_drafts"] for r in secs["draft_round"]["rows"])
@@ -49,6 +50,10 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
     assert {r["case"] for r in secs["attention"]["rows"]} == {"decode", "verify"}
     assert all(r["max_abs_diff"] < 1e-4 for r in secs["attention"]["rows"])
     assert "## attention" in (tmp_path / "gpu_check.md").read_text()
+    # the fused MoE kernel matches its reference at every row count
+    moe = secs["moe"]["rows"]
+    assert {r["case"] for r in moe} == {"decode", "verify", "prefill"}
+    assert all(r["max_rel_diff"] < 1e-5 and r["experts_hit"] > 0 for r in moe)
 
 
 def test_pytest_counts_reads_the_summary_line():
