@@ -258,3 +258,84 @@ def test_stacking_puts_gate_rows_before_up_rows() -> None:
     stacked = parts.read(lambda n, shape: stored[n].expand(shape))
     assert stacked.shape == (2, 4, 3)
     assert stacked[:, :, 0].tolist() == [[0, 0, 1, 1], [2, 2, 3, 3]]
+
+
+# ---------------------------------------------------------------------------------------
+# Loading: per-expert and fused checkpoint layouts (models/loader.py reads through these).
+
+
+class _Holder(torch.nn.Module):
+    """A layer's `mlp` as the loader sees it in a model's state dict."""
+
+    def __init__(self, block: SparseMoE) -> None:
+        super().__init__()
+        self.mlp = block
+
+
+def _save(tmp_path, tensors: dict[str, torch.Tensor]):
+    from safetensors.torch import save_file
+    save_file({k: v.clone() for k, v in tensors.items()}, tmp_path / "model.safetensors")
+
+
+def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What transformers' save_pretrained writes: experts split per expert."""
+    out = {k: v for k, v in state.items() if ".experts." not in k}
+    gate_up, down = state["mlp.experts.gate_up_proj"], state["mlp.experts.down_proj"]
+    for e in range(gate_up.shape[0]):
+        g, u = gate_up[e].chunk(2)
+        out |= {f"mlp.experts.{e}.gate_proj.weight": g, f"mlp.experts.{e}.up_proj.weight": u,
+                f"mlp.experts.{e}.down_proj.weight": down[e]}
+    return out
+
+
+def _load(tmp_path, dtype=torch.float32):
+    from chainspec.models import loader
+    from chainspec.models.checkpoint import CheckpointFiles
+    _, ours = _pair("deepseek_v3")
+    model = _Holder(SparseMoE(ours.cfg))
+    names = {k: k for k in model.state_dict()}
+    with CheckpointFiles(tmp_path) as files:
+        loader._check_unexpected(files, set(names))
+        return loader._read_all(files, names, model, dtype, "cpu")
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_both_layouts_load_the_same_stacked_tensors(tmp_path, layout: str) -> None:
+    hf, _ = _pair("deepseek_v3")
+    state = {f"mlp.{k}": v for k, v in hf.state_dict().items()}
+    _save(tmp_path, _per_expert(state) if layout == "per_expert" else state)
+    got = _load(tmp_path)
+    assert set(got) == set(state)
+    assert all(torch.equal(got[k], state[k]) for k in state)
+
+
+def test_bf16_load_keeps_the_correction_bias_fp32(tmp_path) -> None:
+    hf, _ = _pair("deepseek_v3")
+    _save(tmp_path, _per_expert({f"mlp.{k}": v for k, v in hf.state_dict().items()}))
+    got = _load(tmp_path, torch.bfloat16)
+    assert got["mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert got["mlp.experts.gate_up_proj"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("drop", r"missing tensor mlp\.experts\.3\.up_proj\.weight"),
+    ("reshape", r"tensor mlp\.experts\.3\.up_proj\.weight has shape \[8, 32\]"),
+    ("extra", r"tensor mlp\.experts\.16\.gate_proj\.weight: more experts than the config's 16"),
+    ("stray", r"unexpected tensors mlp\.experts\.3\.w9\.weight"),
+])
+def test_per_expert_errors_name_the_tensor(tmp_path, damage: str, words: str) -> None:
+    hf, _ = _pair("deepseek_v3")
+    tensors = _per_expert({f"mlp.{k}": v for k, v in hf.state_dict().items()})
+    name = "mlp.experts.3.up_proj.weight"
+    if damage == "drop":
+        del tensors[name]
+    elif damage == "reshape":
+        tensors[name] = tensors[name][:8]
+    elif damage == "extra":
+        tensors["mlp.experts.16.gate_proj.weight"] = tensors[name]
+    else:
+        tensors["mlp.experts.3.w9.weight"] = tensors[name]
+    _save(tmp_path, tensors)
+    with pytest.raises(CheckpointError, match=words) as e:
+        _load(tmp_path)
+    assert "\n" not in str(e.value)
