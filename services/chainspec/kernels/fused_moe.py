@@ -92,7 +92,9 @@ def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int) -> Exper
     an expert) and pad each expert's run to a multiple of `block_m`."""
     flat = ids.reshape(-1).to(torch.int64)  # [T*k]
     pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # NOTE: not bincount, which reads the max id on the host (a sync; no graph capture)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     start = torch.cumsum(counts, 0) - counts  # [E] first sorted index of each expert
     padded_end = torch.cumsum(padded, 0)  # [E]
