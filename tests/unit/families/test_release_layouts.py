@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from chainspec.models.config import ModelConfig
 from chainspec.models.errors import CheckpointError
 from chainspec.models.loader import load_draft_model, load_target
 from chainspec.models.validate import check_model
+from chainspec.training.train_mtp import MTPJob, train_mtp
 from tests.unit.engine_fixtures import engine, outputs
 from tests.unit.families import mimo_v2_flash_checkpoint as mimo
 from tests.unit.families import qwen3_5_checkpoint as qwen
@@ -145,6 +147,30 @@ def test_release_declares_its_mtp_layer_in_text_config(release, tmp_path):
     dropped = copy_of(path, tmp_path)
     (dropped / "mtp.safetensors").unlink()
     assert "declares 1 MTP module(s) but its checkpoint holds none" in no_mtp_reason(dropped)
+
+
+def test_release_that_dropped_mtp_gets_modules_in_its_layout(tmp_path):
+    """train-mtp on a release without its `mtp.*` tensors: modules in the family's own
+    names, next to the release's files, load back as its drafter."""
+    from tests.integration.tiny_checkpoint import CORPUS, write_tokenizer
+    from tests.unit.test_train_mtp import RECIPE, SETTINGS
+    target, data, out = tmp_path / "target", tmp_path / "corpus", tmp_path / "out"
+    write_qwen3_5_release(target, seed=5)
+    (target / "mtp.safetensors").unlink()
+    config = json.loads((target / "config.json").read_text())
+    config["text_config"]["eos_token_id"] = write_tokenizer(target, VOCAB)
+    (target / "config.json").write_text(json.dumps(config))
+    data.mkdir()
+    for i in range(12):
+        (data / f"doc{i:02d}.txt").write_text(CORPUS[i % 3] * 3)
+    train_mtp(MTPJob(target, str(data), out, replace(RECIPE, num_mtp=1),
+                     replace(SETTINGS, checkpoint_every=0), False))
+    assert set(tensors_of(out)) - set(tensors_of(target)) == set(qwen.mtp_shapes(
+        qwen.hf_config()))
+    draft = load_draft_model(out)
+    assert draft.num_modules == 1
+    assert torch.equal(draft.embed_tokens.weight,
+                       tensors_of(target)["model.language_model.embed_tokens.weight"])
 
 
 @pytest.mark.parametrize("edit", ["drop", "reshape"])
