@@ -210,6 +210,11 @@ def test_mimo_hub_config_parses_as_transformers_layout(mimo_hub):
     hub = mimo_hub_config(tf)
     assert "layer_types" not in hub and "sliding_window_size" in hub
     assert ModelConfig.from_hf(hub) == ModelConfig.from_hf(tf)
+    # some hub configs also carry a flat rope_parameters (one theta): the per-kind
+    # rope_theta / swa_rope_theta still decide
+    flat = {"rope_theta": hub["rope_theta"], "rope_type": "default",
+            "partial_rotary_factor": hub["partial_rotary_factor"]}
+    assert ModelConfig.from_hf({**hub, "rope_parameters": flat}) == ModelConfig.from_hf(tf)
 
 
 def test_mimo_hub_window_is_transformers_reading():
