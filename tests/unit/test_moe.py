@@ -75,19 +75,15 @@ VARIANTS = {
 
 
 def _ours(name: str, hf_cfg) -> MoEConfig:
-    """Our config from the transformers config's dict (RouterConfig.from_hf on it)."""
+    """Our config from the transformers config's dict (MoEConfig.from_hf on it)."""
     _, _, scoring, norm_default, shared = VARIANTS[name]
-    d = hf_cfg.to_dict()
-    router = RouterConfig.from_hf(d, scoring, norm_default)
+    cfg = MoEConfig.from_hf(hf_cfg.to_dict(), scoring, norm_default)
     if name == "qwen3_5_moe":  # always renormalises (no config field)
-        router = dataclasses.replace(router, norm_topk_prob=True)
-    if shared == "shared_expert":
-        width, gated = d["shared_expert_intermediate_size"], True
-    elif shared == "shared_experts":
-        width, gated = d["moe_intermediate_size"] * d["n_shared_experts"], False
-    else:
-        width, gated = 0, False
-    return MoEConfig(router, H, I, width, gated, shared or "shared_experts")
+        cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router,
+                                                                  norm_topk_prob=True))
+    assert cfg.shared_name == (shared or "shared_experts")
+    assert bool(cfg.shared_intermediate_size) == (shared is not None)
+    return cfg
 
 
 def _pair(name: str, seed: int = 0) -> tuple[torch.nn.Module, SparseMoE]:

@@ -148,6 +148,20 @@ class MoEConfig:
         if self.shared_gate and not self.shared_intermediate_size:
             raise CheckpointError("shared_expert_gate without shared experts")
 
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], scoring: Scoring, norm_default: bool) -> MoEConfig:
+        """From a config.json (router: `RouterConfig.from_hf`). Shared experts: a gated
+        `shared_expert` of `shared_expert_intermediate_size` where the config has one
+        (Qwen3-Next, Qwen3.5-MoE), else `shared_experts` of width moe_intermediate_size *
+        `n_shared_experts` (DeepSeek-V3, GLM), else none (Qwen3-MoE, MiMo-V2-Flash). A
+        family whose transformers class differs overrides with `dataclasses.replace`."""
+        router = RouterConfig.from_hf(cfg, scoring, norm_default)
+        hidden, width = int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            return cls(router, hidden, width, int(cfg["shared_expert_intermediate_size"]),
+                       shared_gate=True, shared_name="shared_expert")
+        return cls(router, hidden, width, int(cfg.get("n_shared_experts") or 0) * width)
+
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None,
           cfg: RouterConfig) -> tuple[torch.Tensor, torch.Tensor]:

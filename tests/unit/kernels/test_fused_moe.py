@@ -110,6 +110,16 @@ def check_fp32_random_shapes() -> None:
         _check(_case(rows, e, k, h, i, torch.float32, seed=10 * n), rtol=1e-5, atol=1e-5)
 
 
+def check_fp32_sampled_shapes() -> None:
+    """Shapes drawn from the ranges (seeded): experts 8-64, top-k 1-8, rows 1-512."""
+    g = torch.Generator().manual_seed(21)
+    for n in range(5):
+        e = int(torch.randint(8, 65, (), generator=g))
+        k = int(torch.randint(1, 9, (), generator=g))
+        rows = int(torch.randint(1, 513, (), generator=g)) if n else 512
+        _check(_case(rows, e, k, 24, 16, torch.float32, seed=100 + n), rtol=1e-5, atol=1e-5)
+
+
 def check_uneven_loads_and_idle_experts() -> None:
     for rows, e, k in ((64, 16, 2), (200, 32, 4), (2, 64, 3)):
         args = _case(rows, e, k, 32, 16, torch.float32, seed=rows, skew=True)
