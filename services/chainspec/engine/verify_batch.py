@@ -23,8 +23,8 @@ from chainspec.engine.logits_processors import LogitsProcessing, WindowRequest
 from chainspec.engine.logprobs import TokenLogprob, host_logprobs, window_logprobs
 from chainspec.engine.sampling import SamplingBatch
 from chainspec.engine.schedule import Work, WorkKind
-from chainspec.engine.verify_graphs import VerifyGraphs, verify_forward
-from chainspec.models.attention import AttnBatch, SeqRows
+from chainspec.engine.verify_graphs import VerifyGraphs, seq_rows, verify_forward
+from chainspec.models.attention import AttnBatch
 from chainspec.models.kv_cache import ModelKVCache
 from chainspec.models.target import TargetModel
 
@@ -80,15 +80,6 @@ def _packed_forward(model: TargetModel, cache: ModelKVCache, work: Sequence[Work
         offsets.append(total)
         total += w.num_rows
     return verify_forward(model, cache, ids, batch), tuple(offsets)
-
-
-def seq_rows(w: Work) -> SeqRows:
-    """A work item's rows and its sequence's cache claims. A verify window keeps the
-    state after every row; a prefill chunk or plain decode row only after its last."""
-    claims = w.request.claims
-    return SeqRows(w.request.blocks.blocks, w.start, w.num_rows, claims.tables(),
-                   claims.state_slot, claims.state_row if w.start else -1,
-                   w.kind is WorkKind.VERIFY)
 
 
 def _decide(model: TargetModel, hidden: torch.Tensor, work: Sequence[Work],

@@ -1,12 +1,18 @@
 """Static buffers and CUDA graphs for the verifier's decode and verify steps.
 
 A step whose work is all verify windows (plain decode rows are windows without drafts)
-runs on `StaticVerifyBuffers`: sequence s owns rows [s*(K+1), (s+1)*(K+1)), padded to a
-batch-size bucket. Padding rows and padding sequences carry slot -1 and row_seq -1: they
-write no KV and read none; block tables and positions live in the buffers, so a replay
-reads only the keys each sequence has. On CUDA the forward is captured per bucket and
-replayed; elsewhere (and for tests on CPU) the same view runs eagerly. Both call
-`verify_forward`. Prefill chunks always take the eager packed path.
+runs on `StaticVerifyBuffers`: the rows packed back to back as on the packed path, then
+padding up to a batch-size bucket of K+1 rows per sequence. Padding rows and padding
+sequences carry slot -1 and row_seq -1: they write no KV and read none; block tables
+(one per cache group: full length, each window size) and positions live in the buffers,
+so a replay reads only the keys each sequence has. Recurrent states (DESIGN 4.9) come as
+`StateRows` over the same buffers: the spans are the packed path's, padding sequences
+have state slot -1 and an empty span, padding rows lie outside every span.
+
+On CUDA the forward is captured per bucket and replayed when the model is `graph_safe`
+(no layer reads host-side step data: the GDN torch reference loops over host spans, a
+captured graph would freeze them); elsewhere (and for tests on CPU) the same view runs
+eagerly. Both call `verify_forward`. Prefill chunks always take the eager packed path.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import torch
 from chainspec.engine.draft_batch import table_width
 from chainspec.engine.graph_runner import GraphKey, default_buckets
 from chainspec.engine.schedule import Work, WorkKind
-from chainspec.models.attention import AttnBatch, PagedAttention
+from chainspec.models.attention import AttnBatch, PagedAttention, PagedGroup, SeqRows
 from chainspec.models.kv_cache import ModelKVCache
+from chainspec.models.recurrent import StateRows
 from chainspec.models.target import TargetModel
 
 MAX_GRAPH_BATCH = 64  # larger batches run the packed path
@@ -31,45 +38,111 @@ def verify_forward(model: TargetModel, cache: ModelKVCache, ids: torch.Tensor,
     return model(ids, batch.positions, PagedAttention(cache, batch, model.attention_scale))
 
 
+def seq_rows(w: Work) -> SeqRows:
+    """A work item's rows and its sequence's cache claims. A verify window keeps the
+    state after every row; a prefill chunk or plain decode row only after its last."""
+    claims = w.request.claims
+    return SeqRows(w.request.blocks.blocks, w.start, w.num_rows, claims.tables(),
+                   claims.state_slot, claims.state_row if w.start else -1,
+                   w.kind is WorkKind.VERIFY)
+
+
 class StaticVerifyBuffers:
+    """Everything a captured verify step reads, allocated once for `max_seqs` sequences
+    of K+1 rows: ids, positions, row_seq [rows]; per cache group (None: full length, else
+    a window size) a slot mapping [rows] and block tables [max_seqs, width]; with
+    `with_states`, `StateRows`' tensors."""
+
     def __init__(self, max_seqs: int, num_steps: int, max_len: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, windows: Sequence[int] = (),
+                 with_states: bool = False) -> None:
         self.rows_per_seq, self.block_size = num_steps + 1, block_size
-        rows = max_seqs * self.rows_per_seq
+        rows, width = max_seqs * self.rows_per_seq, table_width(max_len, block_size)
 
         def ints(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.int64, device=device)
 
-        self.ids = ints(rows)
-        self.positions = ints(rows)
-        self.slot_mapping = ints(rows)
-        self.row_seq = ints(rows)
-        self.block_tables = torch.zeros(max_seqs, table_width(max_len, block_size),
-                                        dtype=torch.int32, device=device)
+        def group() -> PagedGroup:
+            return PagedGroup(ints(rows), torch.zeros(max_seqs, width, dtype=torch.int32,
+                                                      device=device))
+        self.ids = ints(rows)  # [rows]
+        self.positions = ints(rows)  # [rows]
+        self.row_seq = ints(rows)  # [rows]
+        self.groups = {key: group() for key in (None, *windows)}
+        self.states: tuple[torch.Tensor, ...] | None = None
+        if with_states:  # span starts [max_seqs + 1]; slot, src row, keep [max_seqs]
+            self.states = (ints(max_seqs + 1), ints(max_seqs), ints(max_seqs),
+                           ints(max_seqs))
+        self._state_host: tuple[tuple, ...] = ((), (), (), ())
 
-    def prepare(self, work: Sequence[Work], batch_size: int) -> None:
-        """Fill the first `batch_size` sequences' rows (host lists, one copy per buffer)."""
-        q, bs = self.rows_per_seq, self.block_size
-        ids, pos, slots, seqs = [0] * (batch_size * q), [0] * (batch_size * q), \
-            [-1] * (batch_size * q), [-1] * (batch_size * q)
-        tables = torch.zeros(batch_size, self.block_tables.shape[1], dtype=torch.int32)
-        for s, w in enumerate(work):
-            blocks = w.request.blocks.blocks
-            tables[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-            for r, tok in enumerate(w.tokens):
-                p = w.start + r
-                ids[s * q + r], pos[s * q + r], seqs[s * q + r] = tok, p, s
-                slots[s * q + r] = blocks[p // bs] * bs + p % bs
-        n = batch_size * q
-        for buf, host in ((self.ids, ids), (self.positions, pos),
-                          (self.slot_mapping, slots), (self.row_seq, seqs)):
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        return self.groups[None].slot_mapping
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        return self.groups[None].block_tables
+
+    def prepare(self, work: Sequence[Work], batch_size: int) -> tuple[int, ...]:
+        """Fill the first `batch_size` sequences' rows (host lists, one copy per buffer);
+        returns each item's first row."""
+        n = batch_size * self.rows_per_seq
+        seqs = [seq_rows(w) for w in work]
+        offsets = tuple(sum(r.num_rows for r in seqs[:i]) for i in range(len(seqs)))
+        pad = n - sum(r.num_rows for r in seqs)
+        ids = [t for w in work for t in w.tokens] + [0] * pad
+        pos = [p for r in seqs for p in range(r.start, r.start + r.num_rows)] + [0] * pad
+        row_seq = [s for s, r in enumerate(seqs) for _ in range(r.num_rows)] + [-1] * pad
+        for buf, host in ((self.ids, ids), (self.positions, pos), (self.row_seq, row_seq)):
             buf[:n].copy_(torch.tensor(host))
-        self.block_tables[:batch_size].copy_(tables)
+        for key, g in self.groups.items():
+            tables = [r.block_table if key is None else r.window_tables[key] for r in seqs]
+            self._fill_group(g, tables, seqs, batch_size, pad)
+        if self.states is not None:
+            self._fill_states(seqs, offsets, batch_size, n - pad)
+        return offsets
+
+    def _fill_group(self, g: PagedGroup, tables: Sequence[Sequence[int]],
+                    seqs: Sequence[SeqRows], batch_size: int, pad: int) -> None:
+        bs = self.block_size
+        slots = [table[p // bs] * bs + p % bs for table, r in zip(tables, seqs, strict=True)
+                 for p in range(r.start, r.start + r.num_rows)] + [-1] * pad
+        host = torch.zeros(batch_size, g.block_tables.shape[1], dtype=torch.int32)
+        for s, table in enumerate(tables):
+            host[s, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        g.slot_mapping[:len(slots)].copy_(torch.tensor(slots))
+        g.block_tables[:batch_size].copy_(host)
+
+    def _fill_states(self, seqs: Sequence[SeqRows], offsets: Sequence[int], batch_size: int,
+                     end: int) -> None:
+        """The packed path's spans, slots, committed rows and keep flags, then padding
+        sequences (slot -1, empty spans at `end`); and the host tuples the torch
+        reference loops over."""
+        pad = batch_size - len(seqs)
+        spans = [(a, a + r.num_rows) for a, r in zip(offsets, seqs, strict=True)]
+        spans += [(end, end)] * pad
+        slots = [r.state_slot for r in seqs] + [-1] * pad
+        src = [r.state_src for r in seqs] + [-1] * pad
+        keep = [r.keep_rows for r in seqs] + [False] * pad
+        starts = [a for a, _ in spans] + [end]
+        for buf, host in zip(self.states, (starts, slots, src, [int(k) for k in keep]),
+                             strict=True):
+            buf[:len(host)].copy_(torch.tensor(host))
+        self._state_host = (tuple(spans), tuple(slots), tuple(src), tuple(keep))
 
     def view(self, batch_size: int) -> tuple[torch.Tensor, AttnBatch]:
+        """This bucket's ids and batch (call `prepare` with the same size first)."""
         n = batch_size * self.rows_per_seq
-        return self.ids[:n], AttnBatch(self.positions[:n], self.slot_mapping[:n],
-                                       self.row_seq[:n], self.block_tables[:batch_size])
+        groups = {key: PagedGroup(g.slot_mapping[:n], g.block_tables[:batch_size])
+                  for key, g in self.groups.items()}
+        main = groups.pop(None)
+        states = None
+        if self.states is not None:
+            starts, slots, src, keep = self.states
+            states = StateRows(*self._state_host, starts[:batch_size + 1],
+                               slots[:batch_size], src[:batch_size], keep[:batch_size])
+        return self.ids[:n], AttnBatch(self.positions[:n], main.slot_mapping,
+                                       self.row_seq[:n], main.block_tables, groups, states)
 
 
 class VerifyGraphs:
@@ -82,9 +155,10 @@ class VerifyGraphs:
         device = next(model.parameters()).device
         max_seqs = min(max_seqs, MAX_GRAPH_BATCH)
         self.buffers = StaticVerifyBuffers(max_seqs, num_steps, max_len, cache.block_size,
-                                           device)
+                                           device, cache.windows, cache.has_states)
         self.buckets = default_buckets(max_seqs)
-        self.use_graphs = use_graphs and device.type == "cuda"
+        # NOTE: a model with a layer that reads host-side step data is never captured
+        self.use_graphs = use_graphs and device.type == "cuda" and model.graph_safe
         # NOTE: without graphs the packed path is cheaper (no padding rows), so the static
         # path runs only where it is captured, or when a test asks for it.
         self.enabled = self.use_graphs or static_on_cpu
@@ -96,9 +170,7 @@ class VerifyGraphs:
         return self.buffers.rows_per_seq
 
     def fits(self, work: Sequence[Work]) -> bool:
-        # NOTE: windowed groups and recurrent states run the packed path (not captured)
-        plain = not self.cache.windows and not self.cache.has_states
-        return (self.enabled and plain and 0 < len(work) <= self.buckets[-1]
+        return (self.enabled and 0 < len(work) <= self.buckets[-1]
                 and all(w.kind is WorkKind.VERIFY for w in work))
 
     def dispatch(self, num_seqs: int) -> GraphKey:
@@ -129,7 +201,7 @@ class VerifyGraphs:
         NOTE: a replay's output lives in the graph's memory until the next replay; the
         verifier reads it (acceptance, drafter updates) within the same step."""
         key = self.dispatch(len(work))
-        self.buffers.prepare(work, key.batch_size)
+        offsets = self.buffers.prepare(work, key.batch_size)
         captured = self.graphs.get(key)
         if captured is not None:
             graph, hidden = captured
@@ -138,4 +210,4 @@ class VerifyGraphs:
         else:
             hidden = verify_forward(self.model, self.cache, *self.buffers.view(key.batch_size))
             self.eager_runs += 1
-        return hidden, tuple(i * self.rows_per_seq for i in range(len(work)))
+        return hidden, offsets

@@ -134,6 +134,12 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(s.v_head_dim, s.eps)
         self.out_proj = nn.Linear(s.value_dim, hidden_size, bias=False)
 
+    @property
+    def graph_safe(self) -> bool:
+        """A captured step may replay this layer where its kernels run: they read only
+        `StateRows`' device tensors; the torch path loops over its host spans."""
+        return use_kernel(self.A_log)
+
     def cache_spec(self) -> StateSpec:
         s = self.shape
         return StateSpec(((s.conv_dim, s.conv_kernel - 1),

@@ -44,6 +44,12 @@ class TargetModel(nn.Module):
         """The default scale of dense backends (each layer passes its own)."""
         return self.config.head_dim ** -0.5
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a captured CUDA graph may replay a step: no layer reads host-side step
+        data (a module says so with `graph_safe = False`; the default is True)."""
+        return all(getattr(m, "graph_safe", True) for m in self.model.layers.modules())
+
     def cache_specs(self) -> list[CacheSpec]:
         """One per layer, in layer order (the index is the layer's cache layer)."""
         return [layer.cache_spec() for layer in self.model.layers]
