@@ -10,8 +10,11 @@
    listed): draft round graph vs eager per bucket, verify step per batch, paged attention
    kernel vs torch reference at 1k/8k/32k context on Llama-3-8B-shaped layers, small
    kernels, the fused MoE kernel vs reference on a DeepSeek-V3-shaped layer (decode,
-   verify and prefill rows). A section whose dependency is not on main records
-   {"skipped": why}; one that raises records {"error": ...} and the run exits 1.
+   verify and prefill rows), and the Qwen3.5 / MiMo-V2-Flash / DeepSeek-V3 families'
+   graph-vs-eager and lossless checks on tiny random checkpoints (a False check is the
+   section's error).
+   A section whose dependency is not on main records {"skipped": why}; one that raises
+   records {"error": ...} and the run exits 1.
 Writes gpu_check.json and gpu_check.md under --out. Medians of CUDA-event times.
 `--force-cpu-dry-run` runs every section on CPU with tiny shapes (kernels in Triton's
 interpreter) to catch bugs before a GPU run; its numbers mean nothing.
@@ -46,18 +49,20 @@ from benchmarks.gpu.timing import Budget, Context  # noqa: E402
 
 TESTS_TIMEOUT_S = 210
 BUDGETS_S = {"draft_round": 30, "verify_step": 30, "attention": 90, "small_kernels": 20,
-             "moe": 60}
+             "moe": 60, "family_graphs": 60}
 
 
 def sections():
     """name -> section function; imported late so a broken module is one section's error."""
     from benchmarks.gpu.attention import attention_section
     from benchmarks.gpu.engine_steps import draft_round_section, verify_step_section
+    from benchmarks.gpu.family_graphs import family_graphs_section
     from benchmarks.gpu.moe import moe_section
     from benchmarks.gpu.small_kernels import small_kernels_section
     return {"draft_round": draft_round_section, "verify_step": verify_step_section,
             "attention": attention_section, "small_kernels": small_kernels_section,
-            "moe": moe_section}
+            "moe": moe_section,
+            "family_graphs": family_graphs_section}
 
 
 def run_tests(timeout_s: float) -> dict:

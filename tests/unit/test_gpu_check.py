@@ -40,7 +40,8 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     assert doc["ok"] and doc["meta"]["dry_run"]
     secs = doc["sections"]
-    names = {"draft_round", "verify_step", "attention", "small_kernels", "moe"}
+    names = {"draft_round", "verify_step", "attention", "small_kernels", "family_graphs",
+             "moe"}
     assert set(secs) == names
     for name in names:
         assert "rows" in secs[name] and secs[name]["rows"], (name, secs[name])
@@ -54,6 +55,12 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
     moe = secs["moe"]["rows"]
     assert {r["case"] for r in moe} == {"decode", "verify", "prefill"}
     assert all(r["max_rel_diff"] < 1e-5 and r["experts_hit"] > 0 for r in moe)
+    # each family's static steps equal packed ones, and spec equals plain (CPU: eager)
+    fam = secs["family_graphs"]["rows"]
+    assert {(r["family"], r["mode"]) for r in fam} == {
+        (f, m) for f in ("qwen3_5", "mimo_v2_flash", "deepseek_v3") for m in ("plain", "spec")}
+    assert all(r["equals_eager_plain"] and r["same_writes"] and r["checked_steps"]
+               for r in fam)
 
 
 def test_pytest_counts_reads_the_summary_line():
