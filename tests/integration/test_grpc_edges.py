@@ -393,7 +393,7 @@ class _EchoEngine:
     def __init__(self) -> None:
         self.prompts: dict[str, list[int]] = {}
 
-    async def generate(self, rid, prompt, sampling, stop):
+    async def generate(self, rid, prompt, sampling, stop, admission=None):
         self.prompts[rid] = list(prompt)
         yield RequestOutput(rid, (1,), FinishReason.LENGTH)
 
