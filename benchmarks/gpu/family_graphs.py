@@ -1,8 +1,10 @@
 """The families with windowed groups, recurrent states and latent caches (Qwen3.5,
-MiMo-V2-Flash, DeepSeek-V3) on tiny random checkpoints, on the device: every verify step
-replayed from a CUDA graph (where the model is `graph_safe`; else the static buffers run
-eagerly) equals the packed eager step from the same cache, an engine on graphs decodes as
-the eager one does, and greedy speculative output equals plain. fp32: token for token.
+MiMo-V2-Flash, DeepSeek-V3, Step-3.5-Flash) on tiny random checkpoints, on the device:
+every verify step replayed from a CUDA graph (where the model is `graph_safe`; else the
+static buffers run eagerly) equals the packed eager step from the same cache, an engine
+on graphs decodes as the eager one does, and greedy speculative output equals plain
+(fp32: token for token). Drafted and accepted counts are recorded, not required: random
+modules accept rarely (tests/unit/families/test_family_verify_graphs.py requires some).
 
 The checks are tests/unit/families/graph_check.py's; the checkpoints are written by
 transformers (a section without it records a skip)."""
@@ -86,8 +88,6 @@ def _failed(row: dict) -> list[str]:
                     f"{row['hidden_max_diff']:.2g}, cache {row['cache_max_diff']:.2g})")
     if not row["same_writes"]:
         what.append("the static step wrote entries the packed step did not")
-    if row["mode"] == "spec" and not row["accepted"]:
-        what.append("no draft accepted: nothing at stake")
     if row["captured"] and not row["replays"]:
         what.append("captured but never replayed")
     return what

@@ -15,7 +15,7 @@ from chainspec.engine.schedule import Work
 from chainspec.engine.verify_batch import _packed_forward
 from chainspec.engine.verify_graphs import VerifyGraphs
 
-FAMILIES = ("qwen3_5", "mimo_v2_flash", "deepseek_v3")
+FAMILIES = ("qwen3_5", "mimo_v2_flash", "deepseek_v3", "step3")
 VOCAB = 24  # small: random drafters' drafts sometimes hit
 BLOCKS = KVBudget(block_size=4)
 CHUNK = 5
@@ -23,7 +23,8 @@ CHUNK = 5
 
 def write_family(name: str, path: Path) -> None:
     """A tiny random checkpoint of family `name` with its MTP layers in native layout
-    (MiMo-V2-Flash: window 8 over blocks of 4; Qwen3.5: three GDN layers, one full)."""
+    (MiMo-V2-Flash, Step-3.5-Flash: window 8 over blocks of 4; Qwen3.5: three GDN
+    layers, one full)."""
     if name == "qwen3_5":
         from tests.unit.families.qwen3_5_checkpoint import write_checkpoint
         write_checkpoint(path, seed=5, vocab_size=VOCAB)
@@ -33,6 +34,9 @@ def write_family(name: str, path: Path) -> None:
     elif name == "deepseek_v3":
         from tests.unit.families.deepseek_v3_checkpoint import write_with_mtp
         write_with_mtp(path, agreeing=True, vocab_size=VOCAB)
+    elif name == "step3":  # seed 0: some of its random drafts are accepted here
+        from tests.unit.families.step3_checkpoint import write_checkpoint
+        write_checkpoint(path, seed=0, vocab_size=VOCAB)
     else:
         raise ValueError(f"no tiny checkpoint for family {name!r}")
 

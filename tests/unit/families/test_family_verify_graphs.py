@@ -1,6 +1,6 @@
 """The verifier's static-buffer step (what CUDA graphs replay) for the families with
-windowed groups (MiMo-V2-Flash), recurrent states (Qwen3.5) and latent caches
-(DeepSeek-V3), run eagerly on CPU: every decode/verify step of an engine run equals the
+windowed groups (MiMo-V2-Flash, Step-3.5-Flash), recurrent states (Qwen3.5) and latent
+caches (DeepSeek-V3), run eagerly on CPU: every decode/verify step of an engine run equals the
 packed step from the same cache (hidden rows, cache values, and the very entries written:
 padding rows and padding sequences write nothing, state rows past a ragged window stay
 as they were), with buckets padded, windows ragged and window blocks given back; and the
