@@ -1,9 +1,11 @@
-"""The DeepSeek-V3 family (`DeepseekV3ForCausalLM`), dense layers: MLA attention + SwiGLU.
+"""The DeepSeek-V3 family (`DeepseekV3ForCausalLM`): MLA attention + SwiGLU or MoE MLPs.
 
 Layer kinds: `mla` (models/mla.py: q/kv low rank, rope/nope split, interleaved RoPE, a
-latent paged cache of c_kv + k_rope) and a `dense` SwiGLU MLP on every layer. MoE layers
-(`first_k_dense_replace` < `num_hidden_layers`) are refused by name until the `moe` kind
-lands. Tensor names are Hugging Face's, one to one.
+latent paged cache of c_kv + k_rope) and per layer a `dense` SwiGLU MLP (layers below
+`first_k_dense_replace`) or the `moe` kind (models/moe.py: sigmoid router with
+`e_score_correction_bias`, `n_group`/`topk_group` group-limited top-k,
+`routed_scaling_factor`, `n_shared_experts` shared experts). Tensor names are Hugging
+Face's, one to one (experts per expert or stacked, models/moe.py).
 
 MTP glue (DeepSeek-V3 section 2.2; `adapters.DEEPSEEK`):
 
@@ -17,7 +19,8 @@ MTP glue (DeepSeek-V3 section 2.2; `adapters.DEEPSEEK`):
 | | one released layer serves every step (step k runs module (k-1) mod L) |
 | hidden read | the target's h after the final norm (what its LM head reads) |
 | token offset | step k at row p reads x[p+k] and predicts x[p+k+1] |
-| layer kind | MLA + dense SwiGLU (released: MLA + MoE, with the `moe` kind) |
+| layer kind | MLA + the MLP kind of the last target layer (released: MoE, experts |
+| | at `model.layers.{N}.mlp.experts.*`; an all-dense tiny target: dense) |
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from typing import Any
 
 from chainspec.models.adapters import DEEPSEEK
 from chainspec.models.config import ModelConfig, RopeConfig, eos_ids
-from chainspec.models.errors import CheckpointError
 from chainspec.models.families.base import DecoderParts, Family, MTPBlock
 from chainspec.models.layers import MLP, RMSNorm
 from chainspec.models.mla import LatentDecoderLayer, MLAShape
+from chainspec.models.moe import MoEConfig, Scoring, SparseMoE, sparse_layers
 from chainspec.models.rope import RotaryEmbedding
+
+FIRST_K_DENSE_DEFAULT = 3  # DeepseekV3Config's, for a config.json without the field
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,13 @@ class DeepseekV3Config(ModelConfig):
     rope_interleave: bool = True
     attention_bias: bool = False
     softmax_scale: float = 1.0
+    moe: MoEConfig | None = None  # the MoE kind's shape (None: every layer dense)
+    sparse: tuple[bool, ...] = ()  # per target layer: MoE (True) or dense SwiGLU
+
+    @property
+    def mtp_sparse(self) -> bool:
+        """The MTP layer's MLP kind: the last target layer's (released checkpoints: MoE)."""
+        return bool(self.sparse) and self.sparse[-1]
 
     @property
     def mla(self) -> MLAShape:
@@ -74,13 +86,26 @@ def _rope_and_scale(cfg: dict[str, Any], qk_head_dim: int) -> tuple[RopeConfig, 
     return rope, scale
 
 
+def moe_layers(cfg: dict[str, Any], layers: int) -> tuple[MoEConfig | None, tuple[bool, ...]]:
+    """The MoE shape and the per-layer pattern (`moe.sparse_layers`): transformers builds
+    the MoE block from layer `first_k_dense_replace` on, DeepSeek's router (sigmoid,
+    noaux_tc, norm_topk_prob default True)."""
+    sparse = sparse_layers(cfg, layers)
+    if not any(sparse):
+        return None, sparse
+    return MoEConfig.from_hf(cfg, Scoring.SIGMOID, norm_default=True), sparse
+
+
 def parse(cfg: dict[str, Any], arch: str) -> DeepseekV3Config:
     layers = int(cfg["num_hidden_layers"])
-    dense = cfg.get("first_k_dense_replace")
-    if cfg.get("n_routed_experts") and dense is not None and int(dense) < layers:
-        raise CheckpointError(f"{arch}: MoE layers (first_k_dense_replace={dense} < "
-                              f"num_hidden_layers={layers}) are not supported yet; dense "
-                              f"layers only")
+    cfg = {"first_k_dense_replace": FIRST_K_DENSE_DEFAULT, **cfg}  # transformers' default
+    return _parse(cfg, arch, *moe_layers(cfg, layers))
+
+
+def _parse(cfg: dict[str, Any], arch: str, moe: MoEConfig | None, sparse: tuple[bool, ...]
+           ) -> DeepseekV3Config:
+    """The MLA model's fields, with the MoE shape and pattern a family computed."""
+    layers = int(cfg["num_hidden_layers"])
     heads = int(cfg["num_attention_heads"])
     nope, rope_dim = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
     rope, scale = _rope_and_scale(cfg, nope + rope_dim)
@@ -110,6 +135,8 @@ def parse(cfg: dict[str, Any], arch: str) -> DeepseekV3Config:
         rope_interleave=bool(cfg.get("rope_interleave", True)),
         attention_bias=bool(cfg.get("attention_bias", False)),
         softmax_scale=scale,
+        moe=moe,
+        sparse=sparse,
     )
 
 
@@ -117,28 +144,32 @@ def _rotary(cfg: DeepseekV3Config, cache_len: int | None) -> RotaryEmbedding:
     return RotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim, cfg.max_position, cache_len)
 
 
-def _layer(cfg: DeepseekV3Config, layer_id: int, rotary: RotaryEmbedding) -> LatentDecoderLayer:
-    return LatentDecoderLayer(cfg.mla, cfg.rms_eps, layer_id, rotary, MLP(cfg))
+def _layer(cfg: DeepseekV3Config, layer_id: int, rotary: RotaryEmbedding, sparse: bool
+           ) -> LatentDecoderLayer:
+    mlp = SparseMoE(cfg.moe) if sparse and cfg.moe is not None else MLP(cfg)
+    return LatentDecoderLayer(cfg.mla, cfg.rms_eps, layer_id, rotary, mlp)
 
 
 def build(cfg: DeepseekV3Config, cache_len: int | None) -> DecoderParts:
     rotary = _rotary(cfg, cache_len)
-    layers = [_layer(cfg, i, rotary) for i in range(cfg.num_layers)]
+    sparse = cfg.sparse or (False,) * cfg.num_layers
+    layers = [_layer(cfg, i, rotary, sparse[i]) for i in range(cfg.num_layers)]
     return DecoderParts(layers, [rotary], RMSNorm(cfg.hidden_size, cfg.rms_eps))
 
 
 def mtp_block(cfg: DeepseekV3Config, cache_len: int | None) -> MTPBlock:
-    """The MTP module's layer: MLA + dense SwiGLU (`model.layers.{N+i}.self_attn.*`,
-    `.mlp.*`, `.input_layernorm`, `.post_attention_layernorm`)."""
+    """The MTP module's layer: MLA + the last target layer's MLP kind
+    (`model.layers.{N+i}.self_attn.*`, `.mlp.*` -- the MoE's gate, experts and shared
+    experts on released checkpoints --, `.input_layernorm`, `.post_attention_layernorm`)."""
     rotary = _rotary(cfg, cache_len)
-    return MTPBlock(_layer(cfg, 0, rotary), [rotary])
+    return MTPBlock(_layer(cfg, 0, rotary, cfg.mtp_sparse), [rotary])
 
 
 DEEPSEEK_V3 = Family(
     name="deepseek_v3",
     architectures=("DeepseekV3ForCausalLM",),
     parse=parse, build=build, mtp=DEEPSEEK, mtp_block=mtp_block,
-    notes="MLA (latent paged cache) + dense SwiGLU; MTP at model.layers.{N+i} "
-          "(MLA block), chained, reads h after the final norm",
+    notes="MLA (latent paged cache) + dense SwiGLU / sigmoid-routed MoE; MTP at "
+          "model.layers.{N+i} (MLA + MoE block), chained, reads h after the final norm",
 )
 FAMILIES = (DEEPSEEK_V3,)
