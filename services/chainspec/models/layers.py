@@ -109,12 +109,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP block. `layer_id` indexes its KV cache layer."""
+    """Pre-norm attention + MLP block. `layer_id` indexes its KV cache layer; `mlp`: the
+    MLP kind (default: dense SwiGLU; `models/moe.py` SparseMoE for MoE layers)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, rotary)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp if mlp is not None else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 

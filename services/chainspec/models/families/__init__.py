@@ -7,9 +7,17 @@ from chainspec.models.families.base import Family
 
 
 def _families() -> tuple[Family, ...]:
-    from chainspec.models.families import deepseek_v3, llama, mimo_v2_flash, qwen3_5, step3
+    from chainspec.models.families import (
+        deepseek_v3,
+        glm4_moe,
+        llama,
+        mimo_v2_flash,
+        qwen3_5,
+        qwen3_moe,
+        step3,
+    )
     return (*llama.FAMILIES, *qwen3_5.FAMILIES, *deepseek_v3.FAMILIES, *mimo_v2_flash.FAMILIES,
-            *step3.FAMILIES)
+            *step3.FAMILIES, *glm4_moe.FAMILIES, *qwen3_moe.FAMILIES)
 
 
 def registry() -> dict[str, Family]:
