@@ -9,7 +9,8 @@ attention and SwiGLU; nothing from chainspec's layers):
     g[k][p] = Block_m(eh_proj(u)),  m = (k-1) mod L
     logits  = LMHead(final_norm_m(g[k][p]))
 with g[0] = h, and g[k-1] replaced by h in non-chain mode. DeepSeek-V3's MTP layers (an MLA
-block) have their own golden test in tests/unit/families/test_deepseek_v3.py.
+block) have their own golden test in tests/unit/families/test_deepseek_v3.py, Qwen3-Next's
+(a gated full-attention MoE block) in tests/unit/families/test_qwen3_next_mtp.py.
 """
 
 from __future__ import annotations
@@ -59,9 +60,6 @@ FAMILIES = {
                                "use_qk_norm": True, "partial_rotary_factor": 0.5}),
     "mimo": Family("MiMoForCausalLM", "mimo", hidden_first=True, qkv_bias=True,
                    config={"num_nextn_predict_layers": MODULES}),
-    "qwen3_next": Family("Qwen3NextForCausalLM", "qwen3_next", zero_centred=True,
-                         qk_norm=True, config={"mtp_num_hidden_layers": MODULES,
-                                               "head_dim": 16, "partial_rotary_factor": 0.25}),
 }
 
 

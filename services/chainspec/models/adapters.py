@@ -6,8 +6,8 @@ module i, `mtp.{i}.enorm.weight`, `mtp.{i}.hnorm.weight`, `mtp.{i}.eh_proj.weigh
 each lives in one family's checkpoints, which concat order and norm convention the glue
 uses, and which config field counts the modules.
 
-Families whose real target decoder chainspec does not implement (GLM MoE, Qwen3-Next
-linear attention) still load as drafters: the MTP block is chainspec's
+Families whose real target decoder chainspec does not implement (GLM MoE) still load as
+drafters: the MTP block is chainspec's
 Llama-style decoder layer, shaped by the config's hidden/heads/intermediate fields
 (`draft_config`). Checkpoints whose MTP block is MLA or MoE fail on its unexpected tensors.
 """
@@ -122,12 +122,12 @@ QWEN3_NEXT = MTPAdapter(
                 "eh_proj": "mtp.fc.weight", "final_norm": "mtp.norm.weight"},
     namespace=r"mtp\.",
     count_keys=("mtp_num_hidden_layers", "num_nextn_predict_layers"),
-    zero_centred_block_norms=True,
 )
 
-# Qwen3.5's MTP block is its own family's gated full-attention layer, whose norms are
-# zero-centred natively (`families/qwen3_5.py`): loaded unchanged.
-QWEN3_5 = replace(QWEN3_NEXT, family="qwen3_5", zero_centred_block_norms=False)
+# Qwen3-Next's and Qwen3.5's MTP blocks are their families' gated full-attention layers,
+# whose norms are zero-centred natively (`families/qwen3_next.py`, `qwen3_5.py`): loaded
+# unchanged.
+QWEN3_5 = replace(QWEN3_NEXT, family="qwen3_5")
 
 # MiMo-V2-Flash (`families/mimo_v2_flash.py`): the hub's `model.mtp.layers.{i}.*`.
 MIMO_V2 = MTPAdapter(
@@ -163,6 +163,8 @@ ARCHITECTURE_FAMILIES = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
     "MiMoV2FlashForCausalLM": "mimo_v2",
     "Step3p5ForCausalLM": "step3",
 }
@@ -179,7 +181,6 @@ class DraftBlock:
 
 DRAFT_ONLY_BLOCKS = {
     "Glm4MoeForCausalLM": DraftBlock(qk_norm_key="use_qk_norm", bias_key="attention_bias"),
-    "Qwen3NextForCausalLM": DraftBlock(qk_norm=True),
 }
 
 

@@ -21,7 +21,7 @@ prefill spans too: correct, slower than chunked), tested equal to the row form.
 
 Tensor names are Qwen3.5's (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`);
 a family with fused projections (Qwen3-Next's `in_proj_qkvz`, `in_proj_ba`) overrides
-`project`.
+`make_projections` and `project`.
 """
 
 from __future__ import annotations
@@ -123,10 +123,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.shape, self.layer_id = shape, layer_id
         s = shape
-        self.in_proj_qkv = nn.Linear(hidden_size, s.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden_size, s.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden_size, s.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden_size, s.num_v_heads, bias=False)
+        self.make_projections(hidden_size)
         self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, s.conv_kernel, bias=False,
                                 groups=s.conv_dim, padding=s.conv_kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(s.num_v_heads))
@@ -144,6 +141,14 @@ class GatedDeltaNet(nn.Module):
         s = self.shape
         return StateSpec(((s.conv_dim, s.conv_kernel - 1),
                           (s.num_v_heads, s.k_head_dim, s.v_head_dim)))
+
+    def make_projections(self, hidden_size: int) -> None:
+        """The input projections `project` reads (Qwen3.5's four; a family overrides)."""
+        s = self.shape
+        self.in_proj_qkv = nn.Linear(hidden_size, s.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, s.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, s.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, s.num_v_heads, bias=False)
 
     def project(self, x: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

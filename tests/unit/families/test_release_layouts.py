@@ -302,9 +302,25 @@ UNSUPPORTED = {
     "qwen3_5 release MoE fields": (edit_text(num_experts=4), "num_experts 4"),
     "qwen3_5 release without text_config": (edit(qwen_release, text_config=None),
                                             "text_config"),
-    "qwen3_5 MoE release": (edit(qwen_release,
-                                 architectures=["Qwen3_5MoeForConditionalGeneration"]),
-                            "Qwen3_5MoeForConditionalGeneration"),
+    "qwen3_5_moe release with a dense text_config": (
+        edit(qwen_release, architectures=["Qwen3_5MoeForConditionalGeneration"]),
+        "text_config model_type 'qwen3_5_text' is not supported; qwen3_5_moe_text only"),
+    "qwen3_5_moe without experts": (edit(qwen_text, architectures=["Qwen3_5MoeForCausalLM"]),
+                                    "no num_experts"),
+    "qwen3_next without a shared expert": (
+        edit(qwen_text, architectures=["Qwen3NextForCausalLM"], num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=8,
+             shared_expert_intermediate_size=0), "shared_expert_intermediate_size is 0"),
+    "qwen3_next unsupported router": (
+        edit(qwen_text, architectures=["Qwen3NextForCausalLM"], num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=8,
+             shared_expert_intermediate_size=8, scoring_func="sigmoid"),
+        "scoring_func='sigmoid'"),
+    "qwen3_next layer pattern": (
+        edit(qwen_text, architectures=["Qwen3NextForCausalLM"], num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=8,
+             shared_expert_intermediate_size=8, decoder_sparse_step=0),
+        "decoder_sparse_step=0"),
     "mimo_v2_flash MoE (transformers)": (edit(mimo_tf, mlp_layer_types=["dense", "sparse",
                                                                         "dense", "dense"]),
                                          "MoE layers"),

@@ -14,10 +14,11 @@ def _families() -> tuple[Family, ...]:
         mimo_v2_flash,
         qwen3_5,
         qwen3_moe,
+        qwen3_next,
         step3,
     )
     return (*llama.FAMILIES, *qwen3_5.FAMILIES, *deepseek_v3.FAMILIES, *mimo_v2_flash.FAMILIES,
-            *step3.FAMILIES, *glm4_moe.FAMILIES, *qwen3_moe.FAMILIES)
+            *step3.FAMILIES, *qwen3_next.FAMILIES, *glm4_moe.FAMILIES, *qwen3_moe.FAMILIES)
 
 
 def registry() -> dict[str, Family]:

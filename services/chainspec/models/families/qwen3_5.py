@@ -1,6 +1,8 @@
 """The Qwen3.5 dense family (`Qwen3_5ForCausalLM`, config model_type `qwen3_5_text`), and
 its releases (`Qwen3_5ForConditionalGeneration`, what the hub's 0.8B-27B dense checkpoints
-are; config model_type `qwen3_5`).
+are; config model_type `qwen3_5`); the MoE models (`Qwen3_5MoeForCausalLM`, model_type
+`qwen3_5_moe_text`; releases `Qwen3_5MoeForConditionalGeneration`, model_type
+`qwen3_5_moe`, e.g. Qwen3.5-35B-A3B) are the same layers with the `moe` MLP kind.
 
 A release nests the text model's config in `text_config` (tie_word_embeddings and dtype
 at the top level win, as transformers reads them) and stores its tensors as
@@ -9,8 +11,9 @@ and the MTP layer `mtp.*` (vLLM's `Qwen3_5ForConditionalGeneration` and `Qwen3_5
 read the same names). chainspec serves the text model: the vision tower is left unread,
 with one warning line; the drafter reads `mtp.*`, the embedding and the head. Text-only
 positions are equal on MRoPE's three axes, so `mrope_section` reduces to plain RoPE.
-Refused by name: MoE text models (`num_experts`, `Qwen3_5Moe*`), an MTP layer with its own
-embedding (`mtp_use_dedicated_embeddings`), layer types other than the two below.
+Refused by name: MoE fields (`num_experts`) on a dense architecture, a release whose
+text_config model_type is not its architecture's, an MTP layer with its own embedding
+(`mtp_use_dedicated_embeddings`), layer types other than the two below.
 
 Layer pattern: `layer_types` (default: three `linear_attention` then one
 `full_attention`, `full_attention_interval` 4). Layer kinds:
@@ -18,7 +21,9 @@ Layer pattern: `layer_types` (default: three `linear_attention` then one
   state per sequence;
 - `full` (`self_attn.*`): GQA with an output gate (q_proj twice wide, [q, gate] per
   head), zero-centred q/k RMSNorm, partial RoPE (`partial_rotary_factor`, 0.25);
-- MLP: dense SwiGLU on every layer.
+- MLP: dense SwiGLU on every layer; MoE models: `models/moe.py` on every layer (softmax
+  top-k, always renormalised -- transformers' Qwen3.5-MoE router has no `norm_topk_prob`
+  -- plus a `shared_expert` gated by sigmoid(`shared_expert_gate`)), the MTP layer too.
 Every RMSNorm but the GDN's gated one scales by (1 + w): chainspec's `RMSNorm` with
 `unit_offset`, so checkpoint tensors load unchanged (same rounding as transformers).
 
@@ -54,11 +59,13 @@ from chainspec.models.errors import CheckpointError
 from chainspec.models.families.base import DecoderParts, Family, MTPBlock
 from chainspec.models.gated_deltanet import GatedDeltaNet, GDNShape
 from chainspec.models.layers import MLP, Attention, AttentionBackend, RMSNorm
+from chainspec.models.moe import MoEConfig, Scoring, SparseMoE
 from chainspec.models.rope import RotaryEmbedding
 
 LINEAR, FULL = "linear_attention", "full_attention"
 RELEASE_TEXT = "model.language_model."  # a release's text model tensors
 RELEASE_VISION = "model.visual."  # a release's vision tower: not served
+MOE_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,8 @@ class Qwen3_5Config(ModelConfig):
     linear_value_head_dim: int = 128
     linear_conv_kernel: int = 4
     mtp_dedicated_embeddings: bool = False
+    moe: MoEConfig | None = None  # the MoE MLP kind's shape (None: dense)
+    sparse: tuple[bool, ...] = ()  # per layer: MoE MLP; then the MTP layer's (one more)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,10 +104,26 @@ def layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n))
 
 
+def moe_config(cfg: dict[str, Any]) -> MoEConfig:
+    """Qwen3.5-MoE's block: softmax top-k, always renormalised, a gated shared expert."""
+    moe = MoEConfig.from_hf(cfg, Scoring.SOFTMAX, norm_default=True)
+    return replace(moe, router=replace(moe.router, norm_topk_prob=True))
+
+
 def parse(cfg: dict[str, Any], arch: str) -> Qwen3_5Config:
-    if cfg.get("num_experts"):
+    is_moe = arch in MOE_ARCHITECTURES
+    if cfg.get("num_experts") and not is_moe:
         raise CheckpointError(f"{arch}: MoE text model (num_experts {cfg['num_experts']}) "
-                              f"is not supported yet; dense Qwen3.5 only")
+                              f"on a dense architecture; MoE is Qwen3_5MoeForCausalLM")
+    if is_moe and not cfg.get("num_experts"):
+        raise CheckpointError(f"{arch}: no num_experts in the config of an MoE architecture")
+    moe = moe_config(cfg) if is_moe else None
+    return replace(parse_hybrid(cfg, arch), moe=moe,
+                   sparse=(is_moe,) * (int(cfg["num_hidden_layers"]) + 1))
+
+
+def parse_hybrid(cfg: dict[str, Any], arch: str) -> Qwen3_5Config:
+    """The fields Qwen3.5 and Qwen3-Next share (attention, GDN, MTP count); dense MLPs."""
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     rope = RopeConfig.from_hf(cfg)
@@ -109,7 +134,7 @@ def parse(cfg: dict[str, Any], arch: str) -> Qwen3_5Config:
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
+        intermediate_size=int(cfg.get("intermediate_size") or cfg["moe_intermediate_size"]),
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -139,10 +164,11 @@ def text_config(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         raise CheckpointError(f"{arch}: config has no text_config object")
-    kind = text.get("model_type", "qwen3_5_text")
-    if kind != "qwen3_5_text":
+    want = "qwen3_5_moe_text" if arch in MOE_ARCHITECTURES else "qwen3_5_text"
+    kind = text.get("model_type", want)
+    if kind != want:
         raise CheckpointError(f"{arch}: text_config model_type {kind!r} is not supported; "
-                              f"qwen3_5_text only")
+                              f"{want} only")
     top = {k: cfg[k] for k in ("tie_word_embeddings", "torch_dtype", "dtype") if k in cfg}
     return {**text, **top}
 
@@ -159,14 +185,15 @@ def release_name(key: str) -> str:
 
 class HybridDecoderLayer(nn.Module):
     """Pre-norm token mixer (`linear_attn`: Gated DeltaNet, or `self_attn`: gated full
-    attention) and MLP, with zero-centred norms. The MLP kind is the family's (Qwen3-Next
-    passes its MoE)."""
+    attention) and MLP, with zero-centred norms. The MLP kind is the config's (`mlp_for`);
+    `gdn` the family's GDN projections (Qwen3-Next passes its fused ones)."""
 
     def __init__(self, cfg: Qwen3_5Config, layer_id: int, rotary: RotaryEmbedding,
-                 kind: str, mlp: nn.Module | None = None) -> None:
+                 kind: str, mlp: nn.Module | None = None,
+                 gdn: type[GatedDeltaNet] = GatedDeltaNet) -> None:
         super().__init__()
         if kind == LINEAR:
-            self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.gdn_shape, layer_id)
+            self.linear_attn = gdn(cfg.hidden_size, cfg.gdn_shape, layer_id)
         else:
             self.self_attn = Attention(cfg, layer_id, rotary, output_gate=True,
                                        unit_offset_norms=True)
@@ -192,9 +219,17 @@ def _rotary(cfg: ModelConfig, cache_len: int | None) -> RotaryEmbedding:
     return RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position, cache_len)
 
 
-def build(cfg: Qwen3_5Config, cache_len: int | None) -> DecoderParts:
+def mlp_for(cfg: Qwen3_5Config, layer: int) -> nn.Module:
+    """Layer `layer`'s MLP (`num_layers`: the MTP layer's): MoE where `sparse` says so."""
+    if cfg.moe is not None and cfg.sparse[layer]:
+        return SparseMoE(cfg.moe)
+    return MLP(cfg)
+
+
+def build(cfg: Qwen3_5Config, cache_len: int | None,
+          gdn: type[GatedDeltaNet] = GatedDeltaNet) -> DecoderParts:
     rotary = _rotary(cfg, cache_len)
-    layers = [HybridDecoderLayer(cfg, i, rotary, kind)
+    layers = [HybridDecoderLayer(cfg, i, rotary, kind, mlp_for(cfg, i), gdn)
               for i, kind in enumerate(cfg.layer_types)]
     return DecoderParts(layers, [rotary], RMSNorm(cfg.hidden_size, cfg.rms_eps, True))
 
@@ -204,7 +239,8 @@ def mtp_block(cfg: Qwen3_5Config, cache_len: int | None) -> MTPBlock:
         raise CheckpointError(f"{cfg.architecture}: an MTP layer with its own embedding "
                               f"(mtp_use_dedicated_embeddings) is not supported")
     rotary = _rotary(cfg, cache_len)
-    return MTPBlock(HybridDecoderLayer(cfg, 0, rotary, FULL), [rotary])
+    return MTPBlock(HybridDecoderLayer(cfg, 0, rotary, FULL, mlp_for(cfg, cfg.num_layers)),
+                    [rotary])
 
 
 QWEN3_5_DENSE = Family(
@@ -220,4 +256,14 @@ QWEN3_5_RELEASE = replace(
     notes=QWEN3_5_DENSE.notes + "; releases: text model at model.language_model.*, "
           "vision tower model.visual.* left unread",
 )
-FAMILIES = (QWEN3_5_DENSE, QWEN3_5_RELEASE)
+QWEN3_5_MOE = replace(
+    QWEN3_5_DENSE, name="qwen3_5_moe", architectures=("Qwen3_5MoeForCausalLM",),
+    notes="Gated DeltaNet + gated full attention (3:1), MoE on every layer (softmax top-k, "
+          "renormalised, gated shared expert); MTP at mtp.*, one full-attention MoE layer",
+)
+QWEN3_5_MOE_RELEASE = replace(
+    QWEN3_5_RELEASE, name="qwen3_5_moe",
+    architectures=("Qwen3_5MoeForConditionalGeneration",),
+    notes=QWEN3_5_MOE.notes + "; releases: text model at model.language_model.*",
+)
+FAMILIES = (QWEN3_5_DENSE, QWEN3_5_RELEASE, QWEN3_5_MOE, QWEN3_5_MOE_RELEASE)
