@@ -51,7 +51,7 @@ def draft_round(model: MTPDraftModel, cache: ModelKVCache, batch: DraftBatch, nu
         drafts.append(token)
         supports.append(support)
         probs.append(prob)
-        prev = g if chain else batch.hidden
+        prev = model.next_input(step, g, batch.hidden, chain)
         if clock is not None:
             clock.mark()
     tokens = torch.stack(drafts, 1)  # [S, K]

@@ -93,9 +93,7 @@ class DrafterEngine:
     def _round(self, batch) -> DraftOutput:
         c = self.config
         # NOTE: _clock is None while capturing (in __init__): a graph records no marks
-        # NOTE: a family whose steps do not chain never chains, whatever the flag says
-        chain = c.chain and self.model.glue.chains
-        return draft_round(self.model, self.cache, batch, c.num_steps, chain, c.top_k,
+        return draft_round(self.model, self.cache, batch, c.num_steps, c.chain, c.top_k,
                            self._clock)
 
     @property

@@ -127,7 +127,9 @@ QWEN3_NEXT = MTPAdapter(
 # Qwen3-Next's and Qwen3.5's MTP blocks are their families' gated full-attention layers,
 # whose norms are zero-centred natively (`families/qwen3_next.py`, `qwen3_5.py`): loaded
 # unchanged.
-QWEN3_5 = replace(QWEN3_NEXT, family="qwen3_5")
+# NOTE: Qwen3.5 chains states through mtp.norm, as vLLM's and SGLang's qwen3_5_mtp both do
+QWEN3_5 = replace(QWEN3_NEXT, family="qwen3_5",
+                  glue=replace(QWEN3_NEXT.glue, chains_normed=True))
 
 # MiMo-V2-Flash (`families/mimo_v2_flash.py`): the hub's `model.mtp.layers.{i}.*`.
 MIMO_V2 = MTPAdapter(

@@ -33,6 +33,7 @@ class MTPGlue:
     hidden_first: bool = False  # concat order: [hidden, emb] (MiMo) vs [emb, hidden]
     unit_offset_norms: bool = False  # norms scale by (1 + w) (Qwen3-Next)
     chains: bool = True  # step k reads g[k-1]; False: every step reads h (MiMo-V2-Flash)
+    chains_normed: bool = False  # the chained g[k-1] passes step k-1's final norm (Qwen3.5)
     own_heads: bool = False  # each module has its own LM head (Step-3.5's shared_head.output)
 
 
@@ -125,6 +126,15 @@ class MTPDraftModel(nn.Module):
         module = self.module_for_step(step)
         emb = self.embed_tokens(tokens)
         return module(emb, prev, positions, _StepLayer(backend, step - 1))
+
+    def next_input(self, step: int, g: torch.Tensor, h: torch.Tensor, chain: bool = True
+                   ) -> torch.Tensor:
+        """What step k+1 reads after step k (k = `step`) wrote g [T, H]: g, or g through
+        step k's final norm where the family chains normed states, or h when it does not
+        chain (or `chain` is off). The one rule for drafting, training and the oracle."""
+        if not (chain and self.glue.chains):
+            return h
+        return self.module_for_step(step).final_norm(g) if self.glue.chains_normed else g
 
     def logits(self, step: int, g: torch.Tensor) -> torch.Tensor:
         """g [T, H] -> [T, vocab], through step k's module final norm and the shared head

@@ -76,7 +76,7 @@ def draft_from_scratch(model: TargetWithMTP, tokens: list[int], hidden: torch.Te
         inputs = torch.tensor((tokens + drafts)[k: k + rows], device=model.device)  # x[p+k]
         g = model.draft.step(k, inputs, prev, positions, backend)  # g[k] [rows, H]
         drafts.append(int(model.draft.logits(k, g[-1:]).argmax(-1)))
-        prev = g if model.draft.glue.chains else hidden[:rows]  # MiMo-V2-Flash: h
+        prev = model.draft.next_input(k, g, hidden[:rows])
     return drafts
 
 
@@ -154,7 +154,7 @@ def _drafts(draft: MTPDraftModel, tokens: list[int], hidden: torch.Tensor, num_s
         inputs = torch.tensor((tokens + drafts)[k: k + rows], device=hidden.device)
         g = draft.step(k, inputs, prev, positions, backend)  # [rows, H]
         drafts.append(int(draft.logits(k, g[-1:]).argmax(-1)))
-        prev = g if chain else h
+        prev = draft.next_input(k, g, h, chain)
     return drafts
 
 

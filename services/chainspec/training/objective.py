@@ -44,9 +44,7 @@ def run_model(model: TargetWithMTP, ids: torch.Tensor, grad_target: bool = True)
     for k in range(1, model.num_mtp + 1):
         g = model.draft.step(k, shift_left(ids, k).flatten(), prev, positions, backend)
         mtp_logits.append(model.draft.logits(k, g).view(batch, seq_len, -1))
-        # chain: module k+1 reads module k's output before its final norm; a family
-        # whose steps never chain (MiMo-V2-Flash) reads h at every step, as it drafts
-        prev = g if model.draft.glue.chains else hidden
+        prev = model.draft.next_input(k, g, hidden)  # the family's chain rule, as drafted
     return Forward(target_logits, tuple(mtp_logits))
 
 

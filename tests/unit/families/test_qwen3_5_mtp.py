@@ -68,7 +68,7 @@ def reference(cfg, tensors, tokens: torch.Tensor, hidden: torch.Tensor
         x = (u @ tensors["mtp.fc.weight"].T)[None]
         g = block(x, position_embeddings=rotary(x, positions), attention_mask=causal)[0]
         out.append(zc_norm(g, tensors["mtp.norm.weight"]) @ tensors["head"].T)
-        prev = g  # chained: the block output before mtp.norm
+        prev = zc_norm(g, tensors["mtp.norm.weight"])  # chained through mtp.norm (vLLM, SGLang)
     return out
 
 
@@ -84,7 +84,7 @@ def drafter_dense(model, tokens, hidden) -> list[torch.Tensor]:
     for k in range(1, STEPS + 1):
         g = model.step(k, tokens[k:k + ROWS], prev, torch.arange(ROWS), DenseCausal(1, ROWS))
         out.append(model.logits(k, g))
-        prev = g
+        prev = model.next_input(k, g, hidden)
     return out
 
 
@@ -101,7 +101,7 @@ def drafter_paged(model, tokens, hidden) -> list[torch.Tensor]:
             g = model.step(k, tokens[lo + k:hi + k], prev, batch.positions,
                            PagedAttention(cache, batch))
             out[k - 1].append(model.logits(k, g))
-            prev = g
+            prev = model.next_input(k, g, hidden[lo:hi])
     return [torch.cat(parts) for parts in out]
 
 
