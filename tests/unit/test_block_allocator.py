@@ -60,3 +60,27 @@ def test_budget_turns_bytes_into_blocks() -> None:
         KVBudget(memory_bytes=1, blocks=1)
     with pytest.raises(ValueError, match="fraction"):
         KVBudget(fraction=1.5)
+
+
+def test_fraction_is_of_the_memory_free_after_cached_blocks_are_handed_back(monkeypatch
+                                                                            ) -> None:
+    """A CUDA fraction budget reads free memory after emptying the allocator's cache
+    (what the weight loads left reserved but unused counts as free), then takes
+    `fixed_bytes` off before dividing."""
+    import torch
+    calls, state = [], {"cached": 4_000}
+
+    def empty_cache():
+        calls.append("empty_cache")
+        state["cached"] = 0
+
+    def mem_get_info(device):
+        calls.append("mem_get_info")
+        return 100_000 - state["cached"], 200_000
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    blocks = KVBudget(fraction=0.5).num_blocks(1000, 8, 1024, torch.device("cuda"),
+                                               fixed_bytes=2_000)
+    assert calls == ["empty_cache", "mem_get_info"]
+    assert blocks == (50_000 - 2_000) // 1000

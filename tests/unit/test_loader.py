@@ -300,3 +300,46 @@ def test_drafter_never_opens_a_shard_of_target_layers(tmp_path):
     assert torch.equal(draft.mtp[0].eh_proj.weight, mtp["model.layers.2.eh_proj.weight"])
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: corrupt"):
         load_target(tmp_path)
+
+
+# --- a DeepSeek-shaped MoE drafter: what it holds -------------------------------------------
+
+def test_moe_drafter_holds_only_embedding_head_and_its_mtp_layer(tmp_path, monkeypatch):
+    """DeepSeek layout with MoE target layers and an MoE MTP layer (experts per expert):
+    the target's layers (their experts included) sit in a corrupt shard the drafter never
+    opens; what it reads is the embedding, the head and model.layers.{N}.* less the
+    per-layer copies of the shared tensors, and its resident parameters and buffers are
+    exactly those tensors, element for element."""
+    from safetensors.torch import load_file
+
+    from tests.unit.families.deepseek_v3_checkpoint import MOE, write_with_mtp
+    hf, mtp = write_with_mtp(tmp_path / "flat", **MOE)
+    n = hf.config.num_hidden_layers
+    flat = load_file(str(tmp_path / "flat" / "model.safetensors"))
+    shared = {k: v for k, v in flat.items() if k in ("model.embed_tokens.weight",
+                                                     "lm_head.weight")}
+    layers = {k: v for k, v in flat.items() if k not in shared}
+    assert any(".mlp.experts." in k for k in layers)  # target experts are at stake
+    model_dir = tmp_path / "sharded"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text((tmp_path / "flat" / "config.json").read_text())
+    write_checkpoint(model_dir, None, {"mtp.safetensors": mtp})
+    write_index(model_dir, {"model-00001-of-00002.safetensors": shared,
+                            "model-00002-of-00002.safetensors": layers})
+    (model_dir / "model-00002-of-00002.safetensors").write_bytes(b"\xff" * 64)
+    spy = SpyOpen(checkpoint_module.safe_open)
+    monkeypatch.setattr(checkpoint_module, "safe_open", spy)
+    draft = load_draft_model(model_dir)
+
+    copies = {f"model.layers.{n}.embed_tokens.weight", f"model.layers.{n}.shared_head.head.weight"}
+    want = (set(mtp) - copies) | set(shared)
+    assert "model-00002-of-00002.safetensors" not in spy.opened
+    assert set(spy.read) == want and len(spy.read) == len(want)  # each read once
+    assert not any(name.startswith(tuple(f"model.layers.{i}." for i in range(n)))
+                   for name in spy.read)
+    resident = sum(t.numel() for t in draft.state_dict().values())
+    assert resident == sum(mtp[k].numel() for k in set(mtp) - copies) + sum(
+        t.numel() for t in shared.values())
+    held = draft.state_dict()["mtp.0.block.mlp.experts.gate_up_proj"]  # its own experts
+    assert held.shape[0] == MOE["n_routed_experts"]
+    assert resident < sum(t.numel() for t in flat.values())  # the target's are not held

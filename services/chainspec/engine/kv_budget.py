@@ -54,6 +54,10 @@ class KVBudget:
         if self.memory_bytes is not None:
             return max(1, (self.memory_bytes - fixed_bytes) // per_block)
         if self.fraction is not None and device.type == "cuda":
+            # NOTE: engines size their cache once their model is resident, so `free` is
+            # net of exactly the weights this process loaded (a drafter: embedding, head,
+            # MTP layers); blocks the loads left cached but unused are handed back first
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(device)
             return max(1, (int(free * self.fraction) - fixed_bytes) // per_block)
         return reserved
