@@ -31,11 +31,12 @@ from chainspec.kernels.triton_support import (
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-              weights: torch.Tensor) -> torch.Tensor:
-    """x [T, H], gate_up [E, 2I, H], down [E, H, I], ids/weights [T, k] -> [T, H] (x.dtype)."""
+              weights: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """x [T, H], gate_up [E, 2I, H], down [E, H, I], ids/weights [T, k] -> [T, H] (x.dtype).
+    `limit`: the clamped SwiGLU min(silu(g), limit) * clamp(u, -limit, limit) (Step-3.5)."""
     if use_kernel(x) and not _needs_grad(x, gate_up, down, weights):
-        return _fused_triton(x, gate_up, down, ids, weights)
-    return fused_moe_reference(x, gate_up, down, ids, weights)
+        return _fused_triton(x, gate_up, down, ids, weights, limit)
+    return fused_moe_reference(x, gate_up, down, ids, weights, limit)
 
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:
@@ -44,7 +45,8 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
 
 
 def fused_moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                        ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+                        ids: torch.Tensor, weights: torch.Tensor, limit: float | None = None
+                        ) -> torch.Tensor:
     """The torch path and test oracle: per expert hit, its rows through SwiGLU, scaled by
     their routing weights and added into an fp32 sum (cast to x's dtype at the end).
     NOTE: `.tolist()` syncs; this is the CPU path, CUDA takes the kernel."""
@@ -61,7 +63,10 @@ def fused_moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
         start += n
         token = pairs // top_k
         g, u = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)  # [n, I] each
-        y = F.linear(F.silu(g) * u, down[e])  # [n, H]
+        g = F.silu(g)
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+        y = F.linear(g * u, down[e])  # [n, H]
         out.index_add_(0, token, y.float() * weights.reshape(-1)[pairs, None].float())
     return out.to(x.dtype)
 
@@ -134,7 +139,8 @@ def pick_tiles(rows: int, top_k: int, num_experts: int, dtype: torch.dtype) -> T
 
 
 def _fused_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+                  ids: torch.Tensor, weights: torch.Tensor, limit: float | None = None
+                  ) -> torch.Tensor:
     rows, top_k = ids.shape
     num_experts, two_i, hidden = gate_up.shape
     inter = two_i // 2
@@ -145,14 +151,14 @@ def _fused_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
     out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [T*k, H]
     w = weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
-    _launch(x, gate_up, act, w, blocks, inter, hidden, top_k, tiles, gated=True)
+    _launch(x, gate_up, act, w, blocks, inter, hidden, top_k, tiles, gated=True, limit=limit)
     _launch(act, down, out, w, blocks, hidden, inter, 1, tiles, gated=False)
     return out.view(rows, top_k, hidden).sum(1).to(x.dtype)
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, w: torch.Tensor,
-            blocks: ExpertBlocks, n: int, k: int, a_div: int, tiles: Tiles, gated: bool
-            ) -> None:
+            blocks: ExpertBlocks, n: int, k: int, a_div: int, tiles: Tiles, gated: bool,
+            limit: float | None = None) -> None:
     """c[pair, :n] = gated ? silu(a Bg^T) * (a Bu^T) : w[pair] * (a B^T), B = b[expert]."""
     import triton
 
@@ -161,8 +167,9 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, w: torch.Tensor,
     launcher(_moe_gemm_kernel, a)[grid](
         a, b, c, w, blocks.sorted_pairs, blocks.block_expert, blocks.total,
         n, k, w.numel(), a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        A_DIV=a_div, GATED=gated, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, DOT_FP32=dot_fp32,
+        0.0 if limit is None else float(limit),
+        A_DIV=a_div, GATED=gated, CLAMP=limit is not None, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_FP32=dot_fp32,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
@@ -172,8 +179,9 @@ if triton_available():
 
     @triton.jit
     def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, pairs_ptr, block_expert_ptr, total_ptr,
-                         N, K, num_pairs, stride_am, stride_be, stride_bn, stride_cm,
-                         A_DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                         N, K, num_pairs, stride_am, stride_be, stride_bn, stride_cm, limit,
+                         A_DIV: tl.constexpr, GATED: tl.constexpr, CLAMP: tl.constexpr,
+                         BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_FP32: tl.constexpr):
         """One BLOCK_M x BLOCK_N tile of one expert's padded run. A's row of a pair is
@@ -204,7 +212,11 @@ if triton_available():
                                mask=b_mask, other=0.0)
                 acc_up = _dot(a, b_up, acc_up, DOT_FP32)
         if GATED:
-            acc = acc * tl.sigmoid(acc) * acc_up  # silu(gate) * up, in fp32
+            acc = acc * tl.sigmoid(acc)  # silu(gate) * up, in fp32
+            if CLAMP:  # the clamped SwiGLU (Step-3.5)
+                acc = tl.minimum(acc, limit)
+                acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = acc * acc_up
         else:
             acc = acc * tl.load(w_ptr + pair, mask=live, other=0.0)[:, None]
         c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :]

@@ -71,6 +71,7 @@ class RouterConfig:
     n_group: int = 1  # sigmoid routers: group-limited top-k
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    norm_eps: float = 1e-20  # sigmoid norm_topk_prob: sum + norm_eps (Step-3.5: 0)
 
     def __post_init__(self) -> None:
         e, k, g = self.num_experts, self.top_k, self.n_group
@@ -143,6 +144,8 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     shared_gate: bool = False
     shared_name: str = "shared_experts"  # Qwen3-Next, Qwen3.5: "shared_expert"
+    expert_limit: float | None = None  # routed SwiGLU clamp (Step-3.5 `swiglu_limits`)
+    output_scale: float = 1.0  # routed sum times this, after the experts (Step-3.5)
 
     def __post_init__(self) -> None:
         if self.shared_gate and not self.shared_intermediate_size:
@@ -192,7 +195,7 @@ def _route_sigmoid(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tenso
     ids = torch.topk(choice, cfg.top_k, dim=-1, sorted=False)[1]  # [T, k]
     weights = scores.gather(1, ids)
     if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + cfg.norm_eps)
     return ids, weights * cfg.routed_scaling_factor
 
 
@@ -225,15 +228,17 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """`mlp.experts`: E SwiGLU experts stacked (transformers 5.x layout)."""
 
-    def __init__(self, num: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num: int, hidden_size: int, intermediate_size: int,
+                 limit: float | None = None) -> None:
         super().__init__()
+        self.limit = limit  # silu(gate) <= limit, |up| <= limit (None: plain SwiGLU)
         self.gate_up_proj = nn.Parameter(torch.zeros(num, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(num, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
         """x [T, H], ids/weights [T, k] -> [T, H]: kernels/fused_moe.py (Triton on CUDA)."""
-        return fused_moe(x, self.gate_up_proj, self.down_proj, ids, weights)
+        return fused_moe(x, self.gate_up_proj, self.down_proj, ids, weights, self.limit)
 
 
 @dataclass(frozen=True)
@@ -246,22 +251,28 @@ class _MLPShape:
 
 
 class SparseMoE(nn.Module):
-    """The MoE MLP kind: forward(x [T, H]) -> [T, H]. Keeps no state between steps."""
+    """The MoE MLP kind: forward(x [T, H]) -> [T, H]. Keeps no state between steps.
+    `shared`: the family's own shared-expert module (Step-3.5: a clamped SwiGLU) in place
+    of the plain SwiGLU of `shared_intermediate_size`."""
 
-    def __init__(self, cfg: MoEConfig) -> None:
+    def __init__(self, cfg: MoEConfig, shared: nn.Module | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.gate = Router(cfg.router, cfg.hidden_size)
-        self.experts = Experts(cfg.router.num_experts, cfg.hidden_size, cfg.intermediate_size)
+        self.experts = Experts(cfg.router.num_experts, cfg.hidden_size, cfg.intermediate_size,
+                               cfg.expert_limit)
         if cfg.shared_intermediate_size:
             shape = _MLPShape(cfg.hidden_size, cfg.shared_intermediate_size)
-            self.add_module(cfg.shared_name, MLP(shape))  # type: ignore[arg-type]
+            self.add_module(cfg.shared_name,
+                            shared or MLP(shape))  # type: ignore[arg-type]
         if cfg.shared_gate:
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)  # [T, k] each
         out = self.experts(x, ids, weights)  # [T, H]
+        if self.cfg.output_scale != 1.0:
+            out = out * self.cfg.output_scale
         if not self.cfg.shared_intermediate_size:
             return out
         shared = getattr(self, self.cfg.shared_name)(x)  # [T, H]

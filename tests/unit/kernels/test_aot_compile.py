@@ -179,19 +179,21 @@ CASES += [
 ]
 
 
-def _moe_gemm(dtype: str, gated: bool, block_m: int, block_k: int = 64) -> AotCase:
+def _moe_gemm(dtype: str, gated: bool, block_m: int, block_k: int = 64,
+              clamp: bool = False) -> AotCase:
     """One of fused MoE's two grouped GEMMs (gate/up with SiLU, or down with the weights);
     the tiles `fused_moe.pick_tiles` launches (decode: 16 rows, prefill: 64)."""
     out = dtype if gated else "fp32"
     sig = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{out}", "w_ptr": "*fp32",
            "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "total_ptr": "*i32",
            "N": "i32", "K": "i32", "num_pairs": "i32", "stride_am": "i32",
-           "stride_be": "i32", "stride_bn": "i32", "stride_cm": "i32"}
-    return AotCase(f"moe_{'gate_up' if gated else 'down'}_{dtype}_m{block_m}",
+           "stride_be": "i32", "stride_bn": "i32", "stride_cm": "i32", "limit": "fp32"}
+    return AotCase(f"moe_{'gate_up' if gated else 'down'}_{dtype}_m{block_m}"
+                   f"{'_clamp' if clamp else ''}",
                    "chainspec.kernels.fused_moe:_moe_gemm_kernel", sig,
-                   dict(A_DIV=8 if gated else 1, GATED=gated, BLOCK_M=block_m, BLOCK_N=64,
-                        BLOCK_K=block_k, DOT_FP32=dtype == "fp32"),
-                   num_warps=4, num_stages=3, divisible=("N", "K", *tuple(sig)[-4:]))
+                   dict(A_DIV=8 if gated else 1, GATED=gated, CLAMP=clamp, BLOCK_M=block_m,
+                        BLOCK_N=64, BLOCK_K=block_k, DOT_FP32=dtype == "fp32"),
+                   num_warps=4, num_stages=3, divisible=("N", "K", *tuple(sig)[-5:-1]))
 
 
 CASES += [  # DeepSeek-V3 experts: H 7168, I 2048 (N, K and strides multiples of 16)
@@ -202,6 +204,7 @@ CASES += [  # DeepSeek-V3 experts: H 7168, I 2048 (N, K and strides multiples of
     _moe_gemm("fp16", True, 64),
     _moe_gemm("fp32", True, 16, block_k=32),
     _moe_gemm("fp32", False, 16, block_k=32),  # fp32: 16-row tiles only (pick_tiles)
+    _moe_gemm("bf16", True, 64, clamp=True),  # Step-3.5's clamped routed experts
 ]
 
 @pytest.mark.parametrize("cap", CAPABILITIES, ids=lambda c: f"sm{c}")

@@ -139,6 +139,16 @@ def check_half_precision() -> None:
             _check(_case(rows, e, k, 40, 24, dtype, seed=rows, skew=skew), rtol=tol, atol=tol)
 
 
+def check_clamped_swiglu() -> None:
+    """Step-3.5's routed experts: min(silu(g), limit) * clamp(u, +-limit); the limit is
+    small enough that most activations are clamped, so an unclamped kernel fails."""
+    for rows, e, k in ((20, 16, 4), (130, 8, 2)):
+        args = (*_case(rows, e, k, 32, 16, torch.float32, seed=rows), 0.05)
+        plain = fused_moe_reference(*args[:5])
+        assert (plain - fused_moe_reference(*args)).abs().max() > 1e-3
+        _check(args, rtol=1e-5, atol=1e-5)
+
+
 CHECKS = sorted(n for n in globals() if n.startswith("check_"))
 
 
