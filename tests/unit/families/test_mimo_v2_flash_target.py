@@ -97,10 +97,11 @@ def _edit_config(path, **fields) -> None:
     (path / "config.json").write_text(json.dumps({**cfg, **fields}))
 
 
-def test_moe_layers_are_refused_in_one_line(tmp_path):
+def test_a_dense_checkpoint_relabelled_sparse_fails_naming_its_tensors(tmp_path):
+    """(MoE layers themselves: test_mimo_v2_flash_moe.py.)"""
     write_target(tmp_path, seed=1)
     _edit_config(tmp_path, mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
-    with pytest.raises(CheckpointError, match="config.json.*sparse.*not supported") as e:
+    with pytest.raises(CheckpointError, match="unexpected tensors model.layers.1.mlp.") as e:
         load_target(tmp_path)
     assert "\n" not in str(e.value)
 

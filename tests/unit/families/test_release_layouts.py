@@ -321,15 +321,16 @@ UNSUPPORTED = {
              num_experts_per_tok=2, moe_intermediate_size=8,
              shared_expert_intermediate_size=8, decoder_sparse_step=0),
         "decoder_sparse_step=0"),
-    "mimo_v2_flash MoE (transformers)": (edit(mimo_tf, mlp_layer_types=["dense", "sparse",
-                                                                        "dense", "dense"]),
-                                         "MoE layers"),
+    "mimo_v2_flash MoE router (transformers)": (
+        edit(mimo_tf, mlp_layer_types=["dense", "sparse", "dense", "dense"],
+             scoring_func="softmax"), "scoring_func='softmax'"),
     "mimo_v2_flash unknown layer type": (
         edit(mimo_tf, layer_types=["full_attention", "chunked_attention",
                                    "sliding_attention", "full_attention"]),
         "chunked_attention"),
-    "mimo_v2_flash MoE (hub)": (
-        lambda: {**mimo_hub_config(mimo_tf()), "moe_layer_freq": [0, 1, 1, 1]}, "MoE layers"),
+    "mimo_v2_flash MoE router (hub)": (
+        lambda: {**mimo_hub_config(mimo_tf()), "moe_layer_freq": [0, 1, 1, 1],
+                 "topk_method": "greedy"}, "topk_method='greedy'"),
     "mimo_v2_flash hub pattern value": (
         lambda: {**mimo_hub_config(mimo_tf()), "hybrid_layer_pattern": [0, 2, 1, 0]},
         "hybrid_layer_pattern values 2"),

@@ -10,7 +10,13 @@ shape, as transformers builds them:
   (`self_attn.attention_sink_bias`), RoPE `rope_parameters["sliding_attention"]`;
 - both: keys `head_dim` wide, values `v_head_dim`, values scaled by
   `attention_value_scale`, partial RoPE (`partial_rotary_factor`, 0.334).
-MLP kinds by `mlp_layer_types`: `dense` (SwiGLU); `sparse` (MoE) is refused for now.
+MLP kinds by `mlp_layer_types`: `dense` (SwiGLU); `sparse` (`models/moe.py`'s SparseMoE,
+as transformers' `MiMoV2FlashMoE`: DeepSeek-V3's sigmoid router -- correction bias
+`gate.e_score_correction_bias`, group-limited top-k `n_group`/`topk_group`, weights
+normalised by their sum + 1e-20 with `norm_topk_prob`, times `routed_scaling_factor`
+(the hub's null: 1.0) -- and **no shared experts**: a config's `n_shared_experts` is ignored,
+as transformers ignores it). Experts load per expert (`mlp.experts.{e}.*_proj`, the hub's
+and `save_pretrained`'s layout) or fused.
 Configs parse in transformers' layout (what `save_pretrained` writes) and in the hub's
 original one (what SGLang's `mimo_v2_flash.py` and vLLM's read), field for field:
 
@@ -56,7 +62,7 @@ Where the engines differ: vLLM reads h after the norm and runs layer 0 for every
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -67,6 +73,7 @@ from chainspec.models.config import ModelConfig, RopeConfig, eos_ids
 from chainspec.models.errors import CheckpointError
 from chainspec.models.families.base import DecoderParts, Family, MTPBlock
 from chainspec.models.layers import MLP, AttentionBackend, RMSNorm
+from chainspec.models.moe import MoEConfig, Scoring, SparseMoE, num_experts
 from chainspec.models.rope import RotaryEmbedding
 from chainspec.models.sliding_attention import AttentionShape, SlidingAttention
 
@@ -86,6 +93,7 @@ class MiMoV2FlashConfig(ModelConfig):
     sliding_kv_heads: int | None = None  # None: twice num_kv_heads (transformers' layout)
     sliding_sinks: bool = True
     full_sinks: bool = False
+    moe: MoEConfig | None = None  # the sparse layers' block (None: every layer dense)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -99,10 +107,9 @@ class MiMoV2FlashConfig(ModelConfig):
                                       f"{self.num_layers} layers")
             if set(kinds) - known:
                 raise CheckpointError(f"unsupported {name} {sorted(set(kinds) - known)}")
-        if SPARSE in self.mlp_layer_types:
-            raise CheckpointError("MiMoV2FlashForCausalLM: MoE layers (mlp_layer_types "
-                                  "'sparse', moe_layer_freq 1) are not supported yet; "
-                                  "dense layers only")
+        if (SPARSE in self.mlp_layer_types) != (self.moe is not None):
+            raise CheckpointError("mlp_layer_types 'sparse' (moe_layer_freq 1) needs "
+                                  "routed experts (n_routed_experts), and only it has them")
 
     @property
     def swa_kv_heads(self) -> int:
@@ -184,11 +191,23 @@ def _check_hub_fields(cfg: dict[str, Any]) -> None:
                               "tensor) is not supported; q/k/v_proj only")
 
 
+def _moe(cfg: dict[str, Any], mlp_kinds: tuple[str, ...]) -> MoEConfig | None:
+    """The sparse layers' block (module docstring); None without sparse layers."""
+    if SPARSE not in mlp_kinds:
+        return None
+    if not num_experts(cfg):
+        raise CheckpointError("mlp_layer_types 'sparse' without n_routed_experts")
+    moe = MoEConfig.from_hf(cfg, Scoring.SIGMOID, norm_default=True)
+    return replace(moe, shared_intermediate_size=0, shared_gate=False)
+
+
 def parse(cfg: dict[str, Any], arch: str) -> MiMoV2FlashConfig:
     n = int(cfg["num_hidden_layers"])
     scale = cfg.get("attention_value_scale", 0.707)
     _check_hub_fields(cfg)
     kv = int(cfg["num_key_value_heads"])
+    mlp_kinds = _kinds(cfg, "mlp_layer_types", "moe_layer_freq", HUB_MLP,
+                       [DENSE] + [SPARSE] * (n - 1))
     return MiMoV2FlashConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -212,25 +231,25 @@ def parse(cfg: dict[str, Any], arch: str) -> MiMoV2FlashConfig:
         value_scale=1.0 if scale is None else float(scale),
         layer_types=_kinds(cfg, "layer_types", "hybrid_layer_pattern", HUB_ATTENTION,
                            _default_layer_types(n)),
-        mlp_layer_types=_kinds(cfg, "mlp_layer_types", "moe_layer_freq", HUB_MLP,
-                               [DENSE] + [SPARSE] * (n - 1)),
+        mlp_layer_types=mlp_kinds,
         sliding_rope=_rope(cfg, SLIDING, 10_000.0),
         sliding_kv_heads=int(cfg.get("swa_num_key_value_heads") or 2 * kv),
         sliding_sinks=bool(cfg.get("add_swa_attention_sink_bias", True)),
         full_sinks=bool(cfg.get("add_full_attention_sink_bias", False)),
+        moe=_moe(cfg, mlp_kinds),
     )
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention (`full` or `sliding` shape) + dense SwiGLU MLP."""
+    """Pre-norm attention (`full` or `sliding` shape) + dense SwiGLU or MoE MLP."""
 
     post_norm = "post_attention_layernorm"  # the checkpoint's name of the MLP's norm
 
     def __init__(self, cfg: MiMoV2FlashConfig, layer_id: int, shape: AttentionShape,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, sparse: bool = False) -> None:
         super().__init__()
         self.self_attn = SlidingAttention(shape, layer_id, rotary)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg.moe) if sparse and cfg.moe else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         setattr(self, self.post_norm, RMSNorm(cfg.hidden_size, cfg.rms_eps))
 
@@ -243,7 +262,7 @@ class DecoderLayer(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    """The MTP layers' block: the same, its MLP norm named `pre_mlp_layernorm`."""
+    """The MTP layers' block: the same, dense, its MLP norm named `pre_mlp_layernorm`."""
 
     post_norm = "pre_mlp_layernorm"
 
@@ -255,8 +274,9 @@ def _rotaries(cfg: MiMoV2FlashConfig, cache_len: int | None) -> dict[str, Rotary
 
 def build(cfg: MiMoV2FlashConfig, cache_len: int | None) -> DecoderParts:
     rotary = _rotaries(cfg, cache_len)
-    layers = [DecoderLayer(cfg, i, cfg.shape(kind), rotary[kind])
-              for i, kind in enumerate(cfg.layer_types)]
+    layers = [DecoderLayer(cfg, i, cfg.shape(kind), rotary[kind], mlp == SPARSE)
+              for i, (kind, mlp) in enumerate(zip(cfg.layer_types, cfg.mlp_layer_types,
+                                                  strict=True))]
     return DecoderParts(layers, list(rotary.values()), RMSNorm(cfg.hidden_size, cfg.rms_eps))
 
 
@@ -269,8 +289,8 @@ MIMO_V2_FLASH = Family(
     name="mimo_v2_flash",
     architectures=("MiMoV2FlashForCausalLM",),
     parse=parse, build=build, mtp=MIMO_V2, mtp_block=mtp_block, hidden_before_norm=True,
-    notes="sliding window + sinks : full GQA 5:1, values narrower than keys, dense MLPs "
-          "(MoE not yet); 3 MTP layers at model.mtp.layers.{i}, non-chain, h before "
-          "the final norm",
+    notes="sliding window + sinks : full GQA 5:1, values narrower than keys, dense or MoE "
+          "MLPs (sigmoid group-limited router, no shared experts); 3 dense MTP layers at "
+          "model.mtp.layers.{i}, non-chain, h before the final norm",
 )
 FAMILIES = (MIMO_V2_FLASH,)
