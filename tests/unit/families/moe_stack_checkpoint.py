@@ -33,6 +33,7 @@ FAMILIES = {
     "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM, Glm4MoeDecoderLayer, GLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3MoeDecoderLayer, QWEN),
 }
+QUIET = 0.02  # MoE layers add more than dense ones (routed scaling, shared experts)
 RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
 
 
@@ -137,7 +138,7 @@ def write_with_mtp(path: Path, family: str, num_layers: int = 1, seed: int = 0,
                    agreeing: bool = False, **extra):
     """A target plus `num_layers` MTP layers (config says so); returns both. `agreeing`:
     a quiet target and a drafter that often guesses it (drafts at stake)."""
-    model = write_target(path, family, seed, 0.05 if agreeing else 1.0,
+    model = write_target(path, family, seed, QUIET if agreeing else 1.0,
                          num_nextn_predict_layers=num_layers, **extra)
     norm = model.model.norm.weight.detach() if agreeing else None
     tensors = mtp_tensors(family, model.config, model.model.embed_tokens.weight.detach(),
