@@ -114,7 +114,8 @@ MIMO = MTPAdapter(
 
 QWEN3_NEXT = MTPAdapter(
     family="qwen3_next",
-    glue=MTPGlue(hidden_first=False, unit_offset_norms=True),
+    # chained through mtp.norm: vLLM's qwen3_next_mtp.py returns the normed state
+    glue=MTPGlue(hidden_first=False, unit_offset_norms=True, chains_normed=True),
     layer_prefix="mtp.layers.{}.",
     # NOTE: one fc and one set of glue norms shared by every module (vLLM's reading).
     glue_names={"enorm": "mtp.pre_fc_norm_embedding.weight",
@@ -127,9 +128,8 @@ QWEN3_NEXT = MTPAdapter(
 # Qwen3-Next's and Qwen3.5's MTP blocks are their families' gated full-attention layers,
 # whose norms are zero-centred natively (`families/qwen3_next.py`, `qwen3_5.py`): loaded
 # unchanged.
-# NOTE: Qwen3.5 chains states through mtp.norm, as vLLM's and SGLang's qwen3_5_mtp both do
-QWEN3_5 = replace(QWEN3_NEXT, family="qwen3_5",
-                  glue=replace(QWEN3_NEXT.glue, chains_normed=True))
+# NOTE: both chain states through mtp.norm, as vLLM's and SGLang's MTP modules do
+QWEN3_5 = replace(QWEN3_NEXT, family="qwen3_5")
 
 # MiMo-V2-Flash (`families/mimo_v2_flash.py`): the hub's `model.mtp.layers.{i}.*`.
 MIMO_V2 = MTPAdapter(

@@ -22,7 +22,8 @@ MTP glue (`mtp.*`, vLLM's `qwen3_next_mtp.py` layout; `adapters.QWEN3_NEXT`):
 | concat | [emb, hidden] |
 | hidden read | h after the target's final norm (the exported h) |
 | token offset | step k at row p reads x[p+k] |
-| chain | one module reused for K steps (`mtp_num_hidden_layers` 1), chained |
+| chain | one module reused for K steps (`mtp_num_hidden_layers` 1), chained through |
+| | `mtp.norm` (vLLM's module returns the normed state; `MTPGlue.chains_normed`) |
 | layer kind | one `full_attention` layer; its MLP MoE by the target's rule at index 0 |
 | | (vLLM reads the index from `mtp.layers.0`): MoE unless `mlp_only_layers` has 0 |
 """
