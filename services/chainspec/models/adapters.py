@@ -6,10 +6,8 @@ module i, `mtp.{i}.enorm.weight`, `mtp.{i}.hnorm.weight`, `mtp.{i}.eh_proj.weigh
 each lives in one family's checkpoints, which concat order and norm convention the glue
 uses, and which config field counts the modules.
 
-Families whose real target decoder chainspec does not implement (GLM MoE) still load as
-drafters: the MTP block is chainspec's
-Llama-style decoder layer, shaped by the config's hidden/heads/intermediate fields
-(`draft_config`). Checkpoints whose MTP block is MLA or MoE fail on its unexpected tensors.
+Every architecture chainspec drafts for is a target family (`models/families/`): an MTP
+block is that family's own decoder layer (`Family.mtp_block`, shaped by `draft_config`).
 """
 
 from __future__ import annotations
@@ -172,20 +170,6 @@ ARCHITECTURE_FAMILIES = {
 }
 
 
-@dataclass(frozen=True)
-class DraftBlock:
-    """How a draft-only architecture's Llama-style block is shaped beyond the HF fields."""
-
-    qk_norm: bool = False
-    qk_norm_key: str | None = None  # config field that switches q/k norm on
-    bias_key: str | None = None  # config field that switches q/k/v bias on
-
-
-DRAFT_ONLY_BLOCKS = {
-    "Glm4MoeForCausalLM": DraftBlock(qk_norm_key="use_qk_norm", bias_key="attention_bias"),
-}
-
-
 def _target_architectures() -> list[str]:
     from chainspec.models.families import registry  # NOTE: families import adapters
     return list(registry())
@@ -221,21 +205,11 @@ def adapter_for(hf: dict[str, Any], architecture: str | None = None,
 
 def draft_config(hf: dict[str, Any], adapter: MTPAdapter,
                  architecture: str | None = None) -> ModelConfig:
-    """The config of an MTP block: the target's own for target families, otherwise a
-    Llama-style block from the hidden/heads/intermediate fields."""
+    """The config of an MTP block: the target family's own, with the declared modules."""
     arch = architecture_of(hf, architecture)
     targets = _target_architectures()
-    if arch in targets:
-        base = ModelConfig.from_hf(hf, arch)
-        return replace(base, num_mtp_layers=adapter.num_modules(hf))
-    if arch not in DRAFT_ONLY_BLOCKS:
-        known = [*targets, *DRAFT_ONLY_BLOCKS]
+    if arch not in targets:
         raise CheckpointError(f"unknown architecture {arch!r}; supported for drafting: "
-                              f"{', '.join(known)}")
-    block = DRAFT_ONLY_BLOCKS[arch]
-    base = ModelConfig.from_hf(hf, "LlamaForCausalLM")
-    return replace(
-        base, architecture=arch, o_bias=False, num_mtp_layers=adapter.num_modules(hf),
-        qkv_bias=bool(block.bias_key and hf.get(block.bias_key, False)),
-        qk_norm=bool(hf.get(block.qk_norm_key, False)) if block.qk_norm_key else block.qk_norm,
-    )
+                              f"{', '.join(targets)}")
+    base = ModelConfig.from_hf(hf, arch)
+    return replace(base, num_mtp_layers=adapter.num_modules(hf))

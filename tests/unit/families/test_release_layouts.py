@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -32,6 +33,7 @@ from chainspec.models.validate import check_model
 from chainspec.training.train_mtp import MTPJob, train_mtp
 from tests.unit.engine_fixtures import engine, outputs
 from tests.unit.families import mimo_v2_flash_checkpoint as mimo
+from tests.unit.families import moe_stack_checkpoint
 from tests.unit.families import qwen3_5_checkpoint as qwen
 from tests.unit.families.release_checkpoint import (
     mimo_hub_config,
@@ -273,6 +275,15 @@ def deepseek() -> dict:
             "n_routed_experts": 4}
 
 
+def moe_stack(family: str, arch: str) -> Callable[[], dict]:
+    return lambda: {**json.loads(moe_stack_checkpoint.hf_config(family).to_json_string()),
+                    "architectures": [arch]}
+
+
+glm4 = moe_stack("glm4_moe", "Glm4MoeForCausalLM")
+qwen3_moe = moe_stack("qwen3_moe", "Qwen3MoeForCausalLM")
+
+
 def llama() -> dict:
     return {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
             "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
@@ -344,6 +355,16 @@ UNSUPPORTED = {
     "deepseek_v3 MoE router": (edit(deepseek, first_k_dense_replace=1, num_experts_per_tok=2,
                                     moe_intermediate_size=16, topk_method="greedy"),
                                "topk_method='greedy'"),
+    "glm4_moe_lite layer pattern": (edit(deepseek, architectures=["Glm4MoeLiteForCausalLM"],
+                                         num_experts_per_tok=2, moe_intermediate_size=16,
+                                         mlp_layer_types=["dense"]), "mlp_layer_types"),
+    "glm4_moe unsupported router": (edit(glm4, scoring_func="softmax"),
+                                    "scoring_func='softmax'"),
+    "glm4_moe layer pattern": (edit(glm4, moe_layer_freq=2), "moe_layer_freq=2"),
+    "qwen3_moe unsupported router": (edit(qwen3_moe, scoring_func="sigmoid"),
+                                     "scoring_func='sigmoid'"),
+    "qwen3_moe sliding window": (edit(qwen3_moe, use_sliding_window=True),
+                                 "use_sliding_window"),
     "llama unknown rope type": (edit(llama, rope_scaling={"rope_type": "longrope"}),
                                 "longrope"),
     "mimo unknown rope type": (edit(llama, architectures=["MiMoForCausalLM"],
