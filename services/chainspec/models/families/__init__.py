@@ -10,6 +10,7 @@ def _families() -> tuple[Family, ...]:
     from chainspec.models.families import (
         deepseek_v3,
         glm4_moe,
+        glm4_moe_lite,
         llama,
         mimo_v2_flash,
         qwen3_5,
@@ -18,7 +19,8 @@ def _families() -> tuple[Family, ...]:
         step3,
     )
     return (*llama.FAMILIES, *qwen3_5.FAMILIES, *deepseek_v3.FAMILIES, *mimo_v2_flash.FAMILIES,
-            *step3.FAMILIES, *qwen3_next.FAMILIES, *glm4_moe.FAMILIES, *qwen3_moe.FAMILIES)
+            *step3.FAMILIES, *qwen3_next.FAMILIES, *glm4_moe.FAMILIES, *qwen3_moe.FAMILIES,
+            *glm4_moe_lite.FAMILIES)
 
 
 def registry() -> dict[str, Family]:
