@@ -32,7 +32,10 @@ Parameters of `SparseMoE` (relative to the layer's `mlp.`; HF names, one to one)
 | `shared_expert_gate.weight` | [1, H] | same (Qwen3-Next, Qwen3.5-MoE) |
 
 Hugging Face checkpoints store experts per expert (transformers 5.x fuses them on load and
-splits them on save); `expert_parts` tells the loader which layout a checkpoint uses.
+splits them on save); `expert_parts` tells the loader which layout a checkpoint uses. A
+third layout stores each half stacked over the experts (Step-3.5-Flash: `moe.gate_proj.weight`
+and `moe.up_proj.weight` [E, I, H]): a family whose `checkpoint_name` maps `gate_up_proj`
+to `{prefix}.gate_up_proj` outside an `.experts` module reads it as their concatenation.
 """
 
 from __future__ import annotations
@@ -323,7 +326,8 @@ class ExpertParts:
 
     name: str  # the stacked name, e.g. model.layers.3.mlp.experts.gate_up_proj
     shape: tuple[int, ...]  # [E, 2I, H] or [E, H, I]
-    per_expert: tuple[tuple[str, ...], ...]  # [E][gate, up] or [E][down]
+    per_expert: tuple[tuple[str, ...], ...]  # [E][gate, up] or [E][down]; halves: [1][gate, up]
+    halves: bool = False  # each part holds every expert: [E, I, H], joined on dim 1
 
     @property
     def names(self) -> list[str]:
@@ -331,7 +335,9 @@ class ExpertParts:
 
     def read(self, read: ReadFn) -> torch.Tensor:
         """Stack the per-expert tensors (`read(name, shape)` checks each one's shape)."""
-        _, rows, cols = self.shape
+        num, rows, cols = self.shape
+        if self.halves:
+            return torch.cat([read(n, (num, rows // 2, cols)) for n in self.per_expert[0]], 1)
         piece = (rows // len(self.per_expert[0]), cols)
         return torch.stack([torch.cat([read(n, piece) for n in parts], dim=0)
                             for parts in self.per_expert])
@@ -342,7 +348,13 @@ def expert_parts(name: str, shape: tuple[int, ...], present: Collection[str]
     """How checkpoint tensor `name` (a parameter's checkpoint name) is stored: None when it
     is stored as is (fused experts, or not an expert tensor), else its per-expert parts."""
     match = _STACKED.match(name)
-    if match is None or name in present:
+    if name in present:
+        return None
+    halved = _HALVED.match(name)
+    if match is None and halved is not None:
+        pieces = tuple(f"{halved['prefix']}.{p}.weight" for p in ("gate_proj", "up_proj"))
+        return ExpertParts(name, tuple(shape), (pieces,), halves=True)
+    if match is None:
         return None
     prefix, param = match["prefix"], match["param"]
     pieces = ("gate_proj", "up_proj") if param == "gate_up_proj" else ("down_proj",)
@@ -354,6 +366,8 @@ def expert_parts(name: str, shape: tuple[int, ...], present: Collection[str]
     return ExpertParts(name, tuple(shape), per_expert)
 
 
+_HALVED = re.compile(r"^(?P<prefix>.*)\.gate_up_proj$")  # outside `.experts`: stacked halves
+_HALF = re.compile(r"^(?P<prefix>.*)\.(gate_proj|up_proj)\.weight$")
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.\d+\.(?P<piece>gate_proj|up_proj|down_proj)"
                          r"\.weight$")
 
@@ -362,6 +376,7 @@ def stacked_name(name: str) -> str | None:
     """The stacked parameter a per-expert checkpoint tensor belongs to (None: not one)."""
     match = _PER_EXPERT.match(name)
     if match is None:
-        return None
+        half = _HALF.match(name)  # a stacked half (Step-3.5's moe.gate_proj.weight)
+        return f"{half['prefix']}.gate_up_proj" if half else None
     param = "down_proj" if match["piece"] == "down_proj" else "gate_up_proj"
     return f"{match['prefix']}.{param}"

@@ -125,16 +125,21 @@ def test_the_hubs_legacy_config_parses_to_the_same_model(checkpoint, tmp_path):
     assert ModelConfig.from_hf(legacy) == ModelConfig.from_hf(cfg)
 
 
-def test_moe_layers_are_refused_in_one_line_naming_them(tmp_path):
+def test_moe_layers_without_experts_are_refused_in_one_line_naming_them(tmp_path):
+    """(MoE layers themselves: test_step3_moe.py.)"""
     write_target(tmp_path, seed=1)
-    _edit_config(tmp_path, mlp_layer_types=["dense", "sparse", "sparse", "dense"])
-    with pytest.raises(CheckpointError, match=r"config.json: .*MoE layers 1-2 .*not supported"
-                       ) as e:
+    _edit_config(tmp_path, drop=("n_routed_experts",),
+                 mlp_layer_types=["dense", "sparse", "sparse", "dense"])
+    with pytest.raises(CheckpointError, match=r"config.json: .*MoE layers 1-2 .*without "
+                       r"moe_num_experts") as e:
         load_target(tmp_path)
     assert "\n" not in str(e.value)
     _edit_config(tmp_path, drop=("mlp_layer_types", "mtp_mlp_layer_types"),
                  moe_layers_enum="0,3")  # the hub's spelling
     with pytest.raises(CheckpointError, match=r"MoE layers 0, 3 "):
+        load_target(tmp_path)
+    _edit_config(tmp_path, n_routed_experts=4, num_experts_per_tok=2)  # a dense checkpoint
+    with pytest.raises(CheckpointError, match=r"unexpected tensors model.layers.0.mlp."):
         load_target(tmp_path)
 
 

@@ -12,7 +12,25 @@ Layer pattern: `layer_types` (`full_attention` / `sliding_attention`). Both kind
   norms, a sigmoid gate per head (`g_proj`), scale `query_pre_attn_scalar ** -0.5`,
   partial RoPE per kind.
 MLP kinds by `mlp_layer_types` (hub: `moe_layers_enum`): `dense` (SwiGLU clamped by
-`swiglu_limits_shared[layer]`, none when 0 or absent); `sparse` (MoE) is refused for now.
+`swiglu_limits_shared[layer]`, none when 0 or absent); `sparse`: `models/moe.py`'s
+SparseMoE as transformers' `Step3p7SparseMoeBlock` computes it:
+- router: sigmoid(x W^T) in fp32, top-`moe_top_k` of it + the correction bias (no groups),
+  weights the uncorrected scores divided by their plain sum (`norm_eps` 0: no 1e-20);
+- `moe_num_experts` routed experts of `moe_intermediate_size`, SwiGLU clamped by
+  `swiglu_limits[layer]` (`expert_limit`); their sum times `moe_router_scaling_factor`
+  *after* the experts (`output_scale`);
+- one shared expert of `share_expert_dim`, the dense layers' clamped SwiGLU
+  (`swiglu_limits_shared[layer]`), added unscaled.
+Refused by name: `moe_router_activation` other than sigmoid, `use_moe_router_bias` false.
+The hub stores the MoE block as (`checkpoint_name`), relative to `model.layers.{i}.`:
+
+| chainspec / transformers | hub |
+|---|---|
+| `mlp.gate.weight` [E, H] | `moe.gate.weight` |
+| `mlp.gate.e_score_correction_bias` [E] | `moe.router_bias` |
+| `mlp.experts.gate_up_proj` [E, 2I, H] | `moe.gate_proj.weight`, `moe.up_proj.weight` [E, I, H] |
+| `mlp.experts.down_proj` [E, H, I] | `moe.down_proj.weight` |
+| `mlp.shared_experts.{gate,up,down}_proj.weight` | `share_expert.{gate,up,down}_proj.weight` |
 Every RMSNorm scales by (1 + w): chainspec's `RMSNorm` with `unit_offset`, so checkpoint
 tensors load unchanged. The hub pads the per-layer lists with the MTP layers' entries
 (`num_hidden_layers + num_nextn_predict_layers` long); they are split off here, as
@@ -46,7 +64,8 @@ mlx-lm feed the pre-norm tensors, which is followed here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -60,6 +79,7 @@ from chainspec.models.errors import CheckpointError
 from chainspec.models.families.base import DecoderParts, Family, MTPBlock
 from chainspec.models.head_gated_attention import HeadGatedAttention
 from chainspec.models.layers import AttentionBackend, RMSNorm
+from chainspec.models.moe import MoEConfig, RouterConfig, Scoring, SparseMoE
 from chainspec.models.rope import RotaryEmbedding
 from chainspec.models.sliding_attention import AttentionShape
 
@@ -79,6 +99,8 @@ class Step3Config(ModelConfig):
     mtp_layer_types: tuple[str, ...] = ()
     mtp_mlp_layer_types: tuple[str, ...] = ()
     swiglu_limits: tuple[float | None, ...] = ()  # dense MLPs: target, then MTP layers
+    expert_limits: tuple[float | None, ...] = ()  # routed experts (`swiglu_limits`)
+    moe: MoEConfig | None = None  # the sparse layers' block (None: every layer dense)
     sliding_rope: RopeConfig = field(default_factory=RopeConfig)
 
     def __post_init__(self) -> None:
@@ -98,9 +120,9 @@ class Step3Config(ModelConfig):
             raise CheckpointError(f"swiglu_limits_shared has {len(self.swiglu_limits)} "
                                   f"entries for {n} layers")
         moe = [i for i, kind in enumerate(self.mlp_layer_types) if kind == SPARSE]
-        if moe:
+        if moe and self.moe is None:
             raise CheckpointError(f"{ARCH}: MoE layers {_spans(moe)} (mlp_layer_types "
-                                  f"'sparse') are not supported yet; dense layers only")
+                                  f"'sparse') without moe_num_experts")
         if self.sliding_heads % self.num_kv_heads:
             raise CheckpointError(f"num_sliding_attention_heads {self.sliding_heads} is not "
                                   f"a multiple of num_key_value_heads {self.num_kv_heads}")
@@ -114,6 +136,13 @@ class Step3Config(ModelConfig):
 
     def rope_of(self, kind: str) -> RopeConfig:
         return self.sliding_rope if kind == SLIDING else self.rope
+
+    def moe_of(self, index: int) -> MoEConfig | None:
+        """Layer `index`'s MoE block (its own expert clamp); None for a dense layer."""
+        if self.moe is None or self.mlp_layer_types[index] != SPARSE:
+            return None
+        limit = self.expert_limits[index] if index < len(self.expert_limits) else None
+        return replace(self.moe, expert_limit=limit)
 
     def limit(self, index: int) -> float | None:
         """The dense MLP clamp of layer `index` (MTP layers follow the target's)."""
@@ -192,6 +221,30 @@ def _ropes(cfg: dict[str, Any], kinds: list[str]) -> dict[str, RopeConfig]:
     return ropes
 
 
+def _moe(cfg: dict[str, Any], hidden: int) -> MoEConfig | None:
+    """The sparse layers' block (module docstring); None without routed experts."""
+    experts = cfg.get("moe_num_experts") or cfg.get("n_routed_experts")
+    if not experts:
+        return None
+    activation = cfg.get("moe_router_activation", "sigmoid")
+    if activation != "sigmoid":
+        raise CheckpointError(f"unsupported router moe_router_activation={activation!r} "
+                              f"(Step-3.5 routes with 'sigmoid')")
+    if cfg.get("use_moe_router_bias") is False:
+        raise CheckpointError("unsupported router use_moe_router_bias=false (the correction "
+                              "bias moe.router_bias is required)")
+    top_k = cfg.get("moe_top_k") or cfg["num_experts_per_tok"]
+    router = RouterConfig(int(experts), int(top_k), Scoring.SIGMOID, norm_topk_prob=True,
+                          norm_eps=0.0)
+    return MoEConfig(router, hidden, int(cfg["moe_intermediate_size"]),
+                     int(cfg.get("share_expert_dim") or cfg["moe_intermediate_size"]),
+                     output_scale=float(cfg.get("moe_router_scaling_factor") or 1.0))
+
+
+def _limits(values: list | None, count: int) -> tuple[float | None, ...]:
+    return tuple(float(x) if x else None for x in (values or [None] * count))
+
+
 def parse(cfg: dict[str, Any], arch: str) -> Step3Config:
     n = int(cfg["num_hidden_layers"])
     m = STEP3.num_modules(cfg)
@@ -208,6 +261,7 @@ def parse(cfg: dict[str, Any], arch: str) -> Step3Config:
     kv = int(cfg.get("num_key_value_heads") or cfg["num_attention_groups"])
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     limits, mtp_limits = _split(cfg, "swiglu_limits_shared", n, m)
+    expert_limits = _split(cfg, "swiglu_limits", n, m)[0]
     ropes = _ropes(cfg, kinds)
     return Step3Config(
         architecture=arch,
@@ -238,8 +292,9 @@ def parse(cfg: dict[str, Any], arch: str) -> Step3Config:
         mlp_layer_types=tuple(mlp_kinds),
         mtp_layer_types=tuple(cfg.get("mtp_layer_types") or mtp_kinds or [FULL] * m),
         mtp_mlp_layer_types=tuple(mtp_mlp_kinds),
-        swiglu_limits=tuple(float(x) if x else None
-                            for x in [*(limits or [None] * n), *(mtp_limits or [None] * m)]),
+        swiglu_limits=_limits(limits, n) + _limits(mtp_limits, m),
+        expert_limits=_limits(expert_limits, n),
+        moe=_moe(cfg, int(cfg["hidden_size"])),
         sliding_rope=ropes[SLIDING],
     )
 
@@ -247,9 +302,10 @@ def parse(cfg: dict[str, Any], arch: str) -> Step3Config:
 class ClampedMLP(nn.Module):
     """SwiGLU with the family's clamp: silu(gate) <= limit, |up| <= limit (none: plain)."""
 
-    def __init__(self, cfg: Step3Config, limit: float | None) -> None:
+    def __init__(self, cfg: Step3Config, limit: float | None, width: int | None = None
+                 ) -> None:
         super().__init__()
-        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        h, i, bias = cfg.hidden_size, width or cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
@@ -263,15 +319,17 @@ class ClampedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm head-gated attention (`full` or `sliding` shape) + dense clamped SwiGLU."""
+    """Pre-norm head-gated attention (`full` or `sliding` shape) + dense clamped SwiGLU or
+    the MoE block (`moe`)."""
 
     def __init__(self, cfg: Step3Config, layer_id: int, kind: str, rotary: RotaryEmbedding,
-                 limit: float | None) -> None:
+                 limit: float | None, moe: MoEConfig | None = None) -> None:
         super().__init__()
         self.self_attn = HeadGatedAttention(cfg.shape(kind), layer_id, rotary, eps=cfg.rms_eps,
                                             scale=cfg.query_scale ** -0.5,
                                             head_gate=cfg.head_gate)
-        self.mlp = ClampedMLP(cfg, limit)
+        self.mlp = ClampedMLP(cfg, limit) if moe is None else SparseMoE(
+            moe, shared=ClampedMLP(cfg, limit, moe.shared_intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, unit_offset=True)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps, unit_offset=True)
 
@@ -289,7 +347,7 @@ def _rotary(cfg: Step3Config, kind: str, cache_len: int | None) -> RotaryEmbeddi
 
 def build(cfg: Step3Config, cache_len: int | None) -> DecoderParts:
     rotary = {kind: _rotary(cfg, kind, cache_len) for kind in sorted(set(cfg.layer_types))}
-    layers = [DecoderLayer(cfg, i, kind, rotary[kind], cfg.limit(i))
+    layers = [DecoderLayer(cfg, i, kind, rotary[kind], cfg.limit(i), cfg.moe_of(i))
               for i, kind in enumerate(cfg.layer_types)]
     norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, unit_offset=True)
     return DecoderParts(layers, list(rotary.values()), norm)
@@ -302,12 +360,28 @@ def mtp_block(cfg: Step3Config, cache_len: int | None) -> MTPBlock:
     return MTPBlock(block, [rotary])
 
 
+HUB_MOE = ((re.compile(r"\.mlp\.gate\.weight$"), ".moe.gate.weight"),
+           (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".moe.router_bias"),
+           (re.compile(r"\.mlp\.experts\.gate_up_proj$"), ".moe.gate_up_proj"),  # halves
+           (re.compile(r"\.mlp\.experts\.down_proj$"), ".moe.down_proj.weight"),
+           (re.compile(r"\.mlp\.shared_experts\."), ".share_expert."))
+
+
+def checkpoint_name(key: str) -> str:
+    """The hub's name of a state key (the MoE table above; every other name is HF's)."""
+    for pattern, hub in HUB_MOE:
+        if pattern.search(key):
+            return pattern.sub(hub, key)
+    return key
+
+
 STEP3P5 = Family(
     name="step3",
     architectures=(ARCH,),
-    parse=parse, build=build, mtp=STEP3, mtp_block=mtp_block, hidden_before_norm=True,
-    notes="head-gated full : sliding attention (no sinks), zero-centred norms, dense MLPs "
-          "(MoE not yet); 3 chained MTP layers at model.layers.{N+i}, each its own head, "
-          "h before the final norm",
+    parse=parse, build=build, checkpoint_name=checkpoint_name, mtp=STEP3,
+    mtp_block=mtp_block, hidden_before_norm=True,
+    notes="head-gated full : sliding attention (no sinks), zero-centred norms, dense or MoE "
+          "MLPs (sigmoid router, clamped experts, one shared expert); 3 chained MTP layers "
+          "at model.layers.{N+i}, each its own head, h before the final norm",
 )
 FAMILIES = (STEP3P5,)
