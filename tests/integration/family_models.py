@@ -1,5 +1,5 @@
-"""Tiny Qwen3.5, DeepSeek-V3 and MiMo-V2-Flash model directories that `serve`, `train-mtp`
-and the acceptance audit take: the families' own checkpoint builders
+"""Tiny Qwen3.5, DeepSeek-V3, MiMo-V2-Flash, Qwen3-Next and Qwen3.5-MoE model directories
+that `serve`, `train-mtp` and the acceptance audit take: the families' own checkpoint builders
 (tests/unit/families/*_checkpoint.py: transformers' `save_pretrained` plus MTP tensors in
 each family's native layout), a byte-level tokenizer, and weights shaped so that drafts
 are at stake:
@@ -17,7 +17,9 @@ hidden state or token moves acceptance, never output.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -27,14 +29,23 @@ from tests.integration.tiny_checkpoint import write_tokenizer
 from tests.unit.families import deepseek_v3_checkpoint as deepseek
 from tests.unit.families import mimo_v2_flash_checkpoint as mimo
 from tests.unit.families import qwen3_5_checkpoint as qwen
+from tests.unit.families import qwen3_next_checkpoint as qwen_moe
 
-FAMILIES = ("qwen3_5", "deepseek_v3", "mimo_v2_flash")
+FAMILIES = ("qwen3_5", "deepseek_v3", "mimo_v2_flash", "qwen3_next", "qwen3_5_moe")
 QUIET = 0.05
-RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "out_proj.weight")
+RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "out_proj.weight",
+                    "experts.down_proj")  # stacked experts: [E, H, I]
+ZERO_CENTRED = ("qwen3_5", "qwen3_next", "qwen3_5_moe")  # norms scale by (1 + w)
+# Qwen3-Next and Qwen3.5-MoE: the Qwen3.5 builders' interface over qwen3_next_checkpoint
+QWEN_MOE = {f: SimpleNamespace(write_target=partial(qwen_moe.write_target, f),
+                               write_mtp=partial(qwen_moe.write_mtp, f))
+            for f in ("qwen3_next", "qwen3_5_moe")}
 # where each family's MTP layer i keeps its input projection, input norms and final norm
 _GLUE = {
     "qwen3_5": lambda i: ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight",
                           "mtp.norm.weight", "mtp.layers.{i}."),
+    "qwen3_next": lambda i: _GLUE["qwen3_5"](i),
+    "qwen3_5_moe": lambda i: _GLUE["qwen3_5"](i),
     "mimo_v2_flash": lambda i: (f"model.mtp.layers.{i}.eh_proj.weight",
                                 f"model.mtp.layers.{i}.enorm.weight",
                                 f"model.mtp.layers.{i}.final_layernorm.weight",
@@ -54,7 +65,7 @@ def _agree(path: Path, family: str, hf) -> None:
     tensors = load_file(str(path / "mtp.safetensors"))
     h = hf.config.hidden_size
     layers = {int(n.split("layers.")[1].split(".")[0]) for n in tensors if "layers." in n}
-    unit = 0.0 if family == "qwen3_5" else 1.0  # Qwen3.5 norms scale by (1 + w)
+    unit = 0.0 if family in ZERO_CENTRED else 1.0
     for i in sorted(layers):
         proj, enorm, final, block = _GLUE[family](i)
         tensors[proj] = torch.cat([torch.eye(h), 0.3 * tensors[proj][:, h:]], 1)
@@ -78,8 +89,8 @@ def write_family(path: Path, family: str, mtp: bool = True, seed: int = 0) -> Pa
         else:
             deepseek.write_target(path, seed, QUIET, num_nextn_predict_layers=0, **shape)
         return path
-    builder = qwen if family == "qwen3_5" else mimo
-    extra = {"mtp_num_hidden_layers": 1} if family == "qwen3_5" and mtp else {}
+    builder = QWEN_MOE.get(family) or (qwen if family == "qwen3_5" else mimo)
+    extra = {"mtp_num_hidden_layers": 1} if family in ZERO_CENTRED and mtp else {}
     hf = builder.write_target(path, seed, **shape, **extra)
     _quiet(hf, QUIET)
     hf.save_pretrained(path)

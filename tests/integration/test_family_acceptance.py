@@ -48,9 +48,11 @@ from tests.unit.engine_fixtures import engine, outputs
 pytestmark = pytest.mark.timeout(300)
 K, MAX_NEW, BLOCK, CHUNK = 3, 24, 4, 5
 # Qwen3.5's layout holds one MTP layer (mtp.fc, mtp.norm are not per layer)
-MODULES = {"qwen3_5": 1, "deepseek_v3": 2, "mimo_v2_flash": 2}
-LAYOUT = {"qwen3_5": {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight",
-                      "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight", "mtp.layers.0"},
+MODULES = {"qwen3_5": 1, "deepseek_v3": 2, "mimo_v2_flash": 2, "qwen3_next": 1,
+           "qwen3_5_moe": 1}
+QWEN_MTP = {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight",
+            "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight", "mtp.layers.0"}
+LAYOUT = {"qwen3_5": QWEN_MTP, "qwen3_next": QWEN_MTP, "qwen3_5_moe": QWEN_MTP,
           "deepseek_v3": {"model.layers.2", "model.layers.3"},
           "mimo_v2_flash": {"model.mtp.layers.0", "model.mtp.layers.1"}}
 
