@@ -1,5 +1,6 @@
 """`chainspec serve` (Ray actors, a gRPC drafter, the HTTP gateway) with each new family's
-native MTP layers as the drafter: greedy output of 8 concurrent streams equals plain
+native MTP layers as the drafter (DeepSeek-V3 and GLM-4.7-Flash with MoE layers and
+MoE MTP layers too): greedy output of 8 concurrent streams equals plain
 decoding by an in-process engine, and drafts were accepted (the streams' usage). One
 stack per family on the session's Ray, each in its own namespace; MiMo-V2-Flash is served
 without `--no-chain` (its drafter never chains whatever the flag says)."""
@@ -13,7 +14,7 @@ import pytest
 
 from chainspec.models.tokenizer import Tokenizer
 from tests.integration import helpers
-from tests.integration.family_models import FAMILIES, write_family
+from tests.integration.family_models import SERVED, write_family
 from tests.integration.helpers import plain_outputs, prompt_ids, start_serve
 
 pytestmark = pytest.mark.timeout(300)
@@ -31,7 +32,7 @@ def stream(client: openai.OpenAI, prompt: str) -> tuple[str, dict]:
     return text, usage.model_extra["speculative"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SERVED)
 def test_served_streams_equal_plain_decoding(ray_cluster, tmp_path, family):
     model_dir = write_family(tmp_path / family, family)
     tok = Tokenizer.from_dir(model_dir)
