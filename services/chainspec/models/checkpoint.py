@@ -64,6 +64,14 @@ class CheckpointFiles:
             return torch.empty(stored, device="meta")
         return self._handle(name).get_tensor(name)
 
+    def read_part(self, name: str, shape: tuple[int, ...], dim: int, start: int,
+                  stop: int) -> torch.Tensor:
+        """Indices [start, stop) along `dim` of a tensor stored with `shape`; only that
+        part is read from the file (a tensor-parallel rank's shard)."""
+        self.read(name, shape, data=False)  # the header check
+        index = (slice(None),) * dim + (slice(start, stop),)
+        return self._slice(name)[index]
+
     def close(self) -> None:
         for handle in self._handles.values():
             handle.__exit__(None, None, None)

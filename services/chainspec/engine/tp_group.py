@@ -1,0 +1,208 @@
+"""A verifier member as a group of tensor-parallel ranks run in lockstep (DESIGN 4.10).
+
+Rank 0 owns the `VerifierEngine` (scheduler, request state, sampling, acceptance, the
+hidden rows exported to drafters). Its model is a `TPLeader`: before each forward (and
+each LM-head call) it broadcasts the step's inputs -- ids, and the `AttnBatch` (positions,
+slot mappings, block tables, state rows) or the dense shape -- to the other ranks, which
+run the same call on their shard (`follow`); the row-parallel all-reduces inside the
+layers join them. The KV cache is sized once, on rank 0; its geometry is sent before the
+first paged step and every rank allocates its own heads' share.
+
+Two process groups: steps' collectives time out after `collective_timeout_s`, so a lost
+peer fails the step instead of hanging it; the command channel (gloo, host objects)
+waits up to `idle_timeout_s` between steps, and rank 0 `ping`s it when idle longer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from chainspec.models.attention import AttnBatch, DenseCausal, PagedAttention, PagedGroup
+from chainspec.models.cache_spec import StateSpec
+from chainspec.models.kv_cache import ModelKVCache
+from chainspec.models.tensor_parallel import TPGroup
+
+COLLECTIVE_TIMEOUT_S = 60.0
+IDLE_TIMEOUT_S = 600.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupAddress:
+    """Where the ranks of one group meet (rank 0's host and a free port)."""
+
+    host: str
+    port: int
+    world: int
+    backend: str = "gloo"  # "nccl" on GPUs
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+
+    @classmethod
+    def local(cls, world: int, backend: str = "gloo", **timeouts: float) -> GroupAddress:
+        return cls("127.0.0.1", free_port(), world, backend, **timeouts)
+
+
+class Channel:
+    """Rank 0's commands to the other ranks (pickled host objects, one broadcast)."""
+
+    def __init__(self, tp: TPGroup, group) -> None:
+        self.tp, self.group = tp, group
+
+    def send(self, msg: tuple) -> None:
+        dist.broadcast_object_list([msg], src=0, group=self.group)
+
+    def recv(self) -> tuple:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+
+def join(address: GroupAddress, rank: int) -> tuple[TPGroup, Channel]:
+    """Join the group as `rank`: the step group and the command channel."""
+    dist.init_process_group(address.backend, init_method=f"tcp://{address.host}:"
+                            f"{address.port}", rank=rank, world_size=address.world,
+                            timeout=timedelta(seconds=address.collective_timeout_s))
+    commands = dist.new_group(backend="gloo",
+                              timeout=timedelta(seconds=address.idle_timeout_s))
+    tp = TPGroup(rank, address.world)
+    return tp, Channel(tp, commands)
+
+
+def leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)  # a copy: views of static buffers pickle whole
+
+
+def _batch_to(batch: AttnBatch, move: Callable[[torch.Tensor], torch.Tensor]) -> AttnBatch:
+    states = batch.states
+    if states is not None:
+        states = dataclasses.replace(states, seq_starts=move(states.seq_starts),
+                                     slot_ids=move(states.slot_ids),
+                                     src_rows=move(states.src_rows),
+                                     keep_flags=move(states.keep_flags))
+    windows = {w: PagedGroup(move(g.slot_mapping), move(g.block_tables))
+               for w, g in batch.windows.items()}
+    return AttnBatch(move(batch.positions), move(batch.slot_mapping), move(batch.row_seq),
+                     move(batch.block_tables), windows, states)
+
+
+def cache_geometry(cache: ModelKVCache) -> dict:
+    """What another rank needs to allocate its heads' share of the same cache."""
+    slots, rows = 0, 1
+    for i, spec in enumerate(cache.specs):
+        if isinstance(spec, StateSpec):
+            slots, rows = cache.state(i)[0].shape[:2]
+            break
+    first = cache.tensors()[0]
+    return {"num_blocks": dict(cache.group_blocks), "block_size": cache.block_size,
+            "state_slots": int(slots), "state_rows": int(rows), "dtype": first.dtype,
+            "separate_windows": cache.separate_windows}
+
+
+class TPLeader(nn.Module):
+    """Rank 0's model: the rank's shard, with every call mirrored to the other ranks.
+    It reads like the `TargetModel` it wraps (config, family, cache_specs, logits)."""
+
+    def __init__(self, shard: nn.Module, channel: Channel) -> None:
+        super().__init__()
+        self.shard = shard
+        self.channel = channel
+        self.config, self.family = shard.config, shard.family
+        self._cache: ModelKVCache | None = None
+
+    @property
+    def tp(self) -> TPGroup:
+        return self.shard.tp
+
+    @property
+    def attention_scale(self) -> float:
+        return self.shard.attention_scale
+
+    @property
+    def graph_safe(self) -> bool:
+        return False  # NOTE: collectives are not captured yet (issue 22 item 1)
+
+    def cache_specs(self):
+        return self.shard.cache_specs()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend
+                ) -> torch.Tensor:
+        if isinstance(backend, PagedAttention):
+            if backend.cache is not self._cache:
+                self._cache = backend.cache
+                self.channel.send(("cache", cache_geometry(backend.cache)))
+            self.channel.send(("paged", _host(input_ids), _batch_to(backend.batch, _host),
+                               backend.scale))
+        elif isinstance(backend, DenseCausal):
+            self.channel.send(("dense", _host(input_ids), _host(positions),
+                               backend.batch_size, backend.seq_len, backend.scale))
+        else:
+            raise TypeError(f"no tensor-parallel mirror for {type(backend).__name__}")
+        return self.shard(input_ids, positions, backend)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.channel.send(("logits", _host(hidden)))
+        return self.shard.logits(hidden)
+
+    def ping(self) -> None:
+        """Keep the other ranks' wait for the next step from timing out while idle."""
+        self.channel.send(("ping",))
+
+    def close(self) -> None:
+        self.channel.send(("stop",))
+
+
+def follow(shard: nn.Module, channel: Channel, device: torch.device | str = "cpu") -> int:
+    """A rank > 0: run rank 0's calls on this shard until it says stop; returns the
+    number of forwards run."""
+    cache: ModelKVCache | None = None
+    forwards = 0
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device)
+    with torch.inference_mode():
+        while True:
+            msg = channel.recv()
+            kind = msg[0]
+            if kind == "stop":
+                return forwards
+            if kind == "cache":
+                cache = ModelKVCache(shard.cache_specs(), device=device, **msg[1])
+            elif kind == "paged":
+                _, ids, batch, scale = msg
+                batch = _batch_to(batch, move)
+                shard(move(ids), batch.positions, PagedAttention(cache, batch, scale))
+                forwards += 1
+            elif kind == "dense":
+                _, ids, positions, b, t, scale = msg
+                shard(move(ids), move(positions), DenseCausal(b, t, scale))
+                forwards += 1
+            elif kind == "logits":
+                shard.logits(move(msg[1]))
+            elif kind != "ping":
+                raise ValueError(f"unknown tensor-parallel command {kind!r}")
+
+
+def one_thread() -> None:
+    """One intra-op thread per rank (the ranks share the machine's cores)."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+

@@ -1,0 +1,79 @@
+"""Start a tensor-parallel group on this machine: rank 0 in the calling process, ranks
+1..N-1 as spawned processes, each loading only its own shard (DESIGN 4.10).
+
+This is the plain-process hosting (`generate`, `bench`, tests, benchmarks); the Ray
+hosting puts the same ranks in actors of one placement group.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from chainspec.engine.tp_group import GroupAddress, TPLeader, follow, join, leave, one_thread
+from chainspec.models.tp_loader import load_target_shard
+
+JOIN_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """What every rank loads: its shard of `model_dir`'s target."""
+
+    model_dir: str
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"  # "cuda": rank r on cuda:r
+    cache_len: int | None = None
+
+    def device_of(self, rank: int) -> str:
+        return f"cuda:{rank}" if self.device == "cuda" else self.device
+
+    def load(self, tp) -> torch.nn.Module:
+        return load_target_shard(self.model_dir, tp, self.dtype, self.device_of(tp.rank),
+                                 self.cache_len).eval()
+
+
+def _rank_main(address: GroupAddress, rank: int, source: ShardSource) -> None:
+    one_thread()
+    tp, channel = join(address, rank)
+    try:
+        follow(source.load(tp), channel, source.device_of(rank))
+    finally:
+        leave()
+
+
+@dataclass
+class LocalGroup:
+    """Rank 0's handle on a group started by `start_local_group`."""
+
+    leader: TPLeader
+    processes: list = field(default_factory=list)
+
+    def close(self) -> None:
+        try:
+            self.leader.close()
+        finally:
+            for p in self.processes:
+                p.join(JOIN_TIMEOUT_S)
+                if p.is_alive():
+                    p.kill()
+            leave()
+
+
+def start_local_group(model_dir: str | Path, world: int, dtype: torch.dtype = torch.float32,
+                      device: str = "cpu", cache_len: int | None = None) -> LocalGroup:
+    """Ranks 1..world-1 in spawned processes, rank 0 here; returns once every rank has
+    loaded its shard (the first collective waits for all)."""
+    source = ShardSource(str(model_dir), dtype, device, cache_len)
+    address = GroupAddress.local(world, "nccl" if device == "cuda" else "gloo")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(address, r, source), daemon=True)
+             for r in range(1, world)]
+    for p in procs:
+        p.start()
+    one_thread()
+    tp, channel = join(address, 0)
+    return LocalGroup(TPLeader(source.load(tp), channel), procs)

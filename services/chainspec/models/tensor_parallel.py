@@ -1,0 +1,289 @@
+"""Tensor parallelism as a transform of a built model (DESIGN 4.10; gpt-fast's habit).
+
+The model code stays pure: `shard_target` takes a built `TargetModel` (normally with its
+parameters on the meta device, see `empty_weights`) and rewrites it in place into rank r
+of N, returning which slice of each checkpoint tensor the rank holds (`Shard`), so the
+loader reads only that slice (`models/tp_loader.py`). The rules, per block:
+- attention (GQA): q/k/v column-parallel by heads, o_proj row-parallel; KV heads split,
+  or replicated (one per rank) when there are fewer KV heads than ranks. Each layer's
+  cache spec then reports its local heads, so the KV cache is sharded by heads;
+- dense MLP: gate/up column-parallel, down row-parallel;
+- one all-reduce per block (after o_proj, after down_proj), biases added once after it;
+- embedding vocab-parallel (rows [v0, v1) per rank, one all-reduce), LM head
+  vocab-parallel with the logits all-gathered (every rank holds the full [T, vocab]).
+Norms, rotary tables and q/k norms are replicated. Layer kinds without a rule here are
+refused by name (`TPError`), never silently replicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from chainspec.models.layers import MLP, Attention
+
+
+class TPError(ValueError):
+    """A model this group size cannot shard (one line naming what does not divide)."""
+
+
+@dataclass
+class CollectiveStats:
+    """What the group's collectives cost (cumulative; benchmarks read and reset it)."""
+
+    all_reduces: int = 0
+    all_gathers: int = 0
+    seconds: float = 0.0
+
+    def reset(self) -> None:
+        self.all_reduces = self.all_gathers = 0
+        self.seconds = 0.0
+
+
+@dataclass
+class TPGroup:
+    """Rank `rank` of `world`; `group` None: the default process group."""
+
+    rank: int
+    world: int
+    group: object | None = None
+    stats: CollectiveStats = field(default_factory=CollectiveStats)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        dist.all_reduce(x, group=self.group)
+        self.stats.all_reduces += 1
+        self.stats.seconds += time.perf_counter() - t0
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.stats.all_gathers += 1
+        self.stats.seconds += time.perf_counter() - t0
+        return parts
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rows/columns [start, stop) along `dim` of a checkpoint tensor of shape `full`."""
+
+    dim: int
+    start: int
+    stop: int
+    full: tuple[int, ...]
+
+
+@contextlib.contextmanager
+def empty_weights() -> Iterator[None]:
+    """Build modules with parameters on the meta device (no memory); buffers (rotary
+    tables) stay real. The loader assigns each rank's slices afterwards."""
+    register = nn.Module.register_parameter
+
+    def meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"),
+                                                    requires_grad=param.requires_grad)
+    nn.Module.register_parameter = meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def even_split(size: int, world: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of rank's share of `size` (ceil-sized shares; the last may be short)."""
+    per = -(-size // world)
+    return min(rank * per, size), min((rank + 1) * per, size)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local @ W_local^T) + b: the input features are split."""
+
+    def __init__(self, in_local: int, out_features: int, bias: bool, tp: TPGroup,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_local, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, stop) of the embedding; ids outside embed to zero, then one sum."""
+
+    def __init__(self, start: int, stop: int, dim: int, tp: TPGroup,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(stop - start, dim, device=device))
+        self.start, self.stop, self.tp = start, stop, tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.start) & (ids < self.stop)  # [T]
+        local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
+        x = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(x)
+
+
+class VocabParallelHead(nn.Module):
+    """Logits of vocab rows [start, stop) per rank, all-gathered: [T, vocab] everywhere."""
+
+    def __init__(self, start: int, stop: int, vocab: int, dim: int, tp: TPGroup,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(stop - start, dim, device=device))
+        self.vocab, self.tp = vocab, tp
+        self.per_rank = -(-vocab // tp.world)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = F.linear(x, self.weight)  # [T, stop - start]
+        pad = self.per_rank - local.shape[-1]
+        if pad:
+            local = F.pad(local, (0, pad))
+        return torch.cat(self.tp.all_gather(local), dim=-1)[..., :self.vocab]
+
+
+def head_split(num_heads: int, num_kv_heads: int, tp: TPGroup) -> tuple[int, int, int, int]:
+    """(first q head, q heads, first KV head, KV heads) of this rank."""
+    n, r = tp.world, tp.rank
+    if num_heads % n:
+        raise TPError(f"tensor-parallel size {n} does not divide the {num_heads} "
+                      f"attention heads")
+    if num_kv_heads >= n:
+        if num_kv_heads % n:
+            raise TPError(f"tensor-parallel size {n} does not divide the {num_kv_heads} "
+                          f"KV heads")
+        per = num_kv_heads // n
+        return r * num_heads // n, num_heads // n, r * per, per
+    if n % num_kv_heads:
+        raise TPError(f"{num_kv_heads} KV heads cannot be replicated over "
+                      f"tensor-parallel size {n} (it must be a multiple)")
+    return r * num_heads // n, num_heads // n, r * num_kv_heads // n, 1
+
+
+class Sharder:
+    """Rewrites modules into this rank's shard and records each parameter's `Shard`."""
+
+    def __init__(self, tp: TPGroup) -> None:
+        self.tp = tp
+        self.shards: dict[str, Shard] = {}
+
+    def column(self, parent: nn.Module, attr: str, prefix: str, start: int, stop: int
+               ) -> None:
+        """Output rows [start, stop) of `parent.attr` (weight and bias)."""
+        old: nn.Linear = getattr(parent, attr)
+        new = nn.Linear(old.in_features, stop - start, bias=old.bias is not None,
+                        device=old.weight.device)
+        setattr(parent, attr, new)
+        self.shards[f"{prefix}{attr}.weight"] = Shard(0, start, stop, tuple(old.weight.shape))
+        if old.bias is not None:
+            self.shards[f"{prefix}{attr}.bias"] = Shard(0, start, stop, tuple(old.bias.shape))
+
+    def row(self, parent: nn.Module, attr: str, prefix: str, start: int, stop: int) -> None:
+        """Input columns [start, stop) of `parent.attr`, reduced over the group."""
+        old: nn.Linear = getattr(parent, attr)
+        new = RowParallelLinear(stop - start, old.out_features, old.bias is not None,
+                                self.tp, old.weight.device)
+        setattr(parent, attr, new)
+        self.shards[f"{prefix}{attr}.weight"] = Shard(1, start, stop, tuple(old.weight.shape))
+
+    def attention(self, attn: Attention, prefix: str) -> None:
+        q0, nq, k0, nk = head_split(attn.num_heads, attn.num_kv_heads, self.tp)
+        q_rows = attn.q_proj.out_features // attn.num_heads  # head_dim (gated: 2 x)
+        d = attn.head_dim
+        self.column(attn, "q_proj", prefix, q0 * q_rows, (q0 + nq) * q_rows)
+        self.column(attn, "k_proj", prefix, k0 * d, (k0 + nk) * d)
+        self.column(attn, "v_proj", prefix, k0 * d, (k0 + nk) * d)
+        self.row(attn, "o_proj", prefix, q0 * d, (q0 + nq) * d)
+        attn.num_heads, attn.num_kv_heads = nq, nk
+
+    def mlp(self, mlp: MLP, prefix: str) -> None:
+        size = mlp.gate_proj.out_features
+        if size % self.tp.world:
+            raise TPError(f"tensor-parallel size {self.tp.world} does not divide the "
+                          f"intermediate size {size}")
+        start, stop = even_split(size, self.tp.world, self.tp.rank)
+        self.column(mlp, "gate_proj", prefix, start, stop)
+        self.column(mlp, "up_proj", prefix, start, stop)
+        self.row(mlp, "down_proj", prefix, start, stop)
+
+    def block(self, layer: nn.Module, prefix: str) -> None:
+        """A decoder layer: its attention kind and its MLP kind, each by its rule."""
+        for name, child in layer.named_children():
+            if isinstance(child, Attention):
+                self.attention(child, f"{prefix}{name}.")
+            elif isinstance(child, MLP):
+                self.mlp(child, f"{prefix}{name}.")
+            elif any(True for _ in child.parameters()) and not _replicated(child):
+                raise TPError(f"{prefix}{name}: no tensor-parallel rule for "
+                              f"{type(child).__name__} yet")
+
+    def vocab(self, embed: nn.Embedding, head: nn.Linear, tied: bool, embed_key: str,
+              head_key: str) -> tuple[VocabParallelEmbedding, VocabParallelHead]:
+        v, h = embed.weight.shape
+        start, stop = even_split(v, self.tp.world, self.tp.rank)
+        device = embed.weight.device
+        new_embed = VocabParallelEmbedding(start, stop, h, self.tp, device)
+        new_head = VocabParallelHead(start, stop, v, h, self.tp, device)
+        if tied:
+            new_head.weight = new_embed.weight
+        self.shards[embed_key] = Shard(0, start, stop, (v, h))
+        self.shards[head_key] = Shard(0, start, stop, tuple(head.weight.shape))
+        return new_embed, new_head
+
+
+def _replicated(module: nn.Module) -> bool:
+    """Modules every rank holds whole (norms)."""
+    return all(p.dim() <= 1 for p in module.parameters())
+
+
+def shard_target(model: nn.Module, tp: TPGroup) -> dict[str, Shard]:
+    """Rewrite a built `TargetModel` into rank `tp.rank`'s shard, in place; returns the
+    checkpoint slice of every sharded parameter (state-dict key -> Shard)."""
+    sharder = Sharder(tp)
+    for i, layer in enumerate(model.model.layers):
+        sharder.block(layer, f"model.layers.{i}.")
+    embed, head = sharder.vocab(model.model.embed_tokens, model.lm_head,
+                                model.config.tie_word_embeddings,
+                                "model.embed_tokens.weight", "lm_head.weight")
+    model.model.embed_tokens, model.lm_head = embed, head
+    model.tp = tp
+    return sharder.shards
+
+
+def check_divides(cfg, world: int) -> None:
+    """Raise TPError (one line) when `world` cannot shard a model of `cfg`: the config's
+    heads, KV heads and intermediate size (before anything is loaded)."""
+    for rank in range(world):
+        head_split(cfg.num_heads, cfg.num_kv_heads, TPGroup(rank, world))
+    if cfg.intermediate_size % world:
+        raise TPError(f"tensor-parallel size {world} does not divide the intermediate "
+                      f"size {cfg.intermediate_size}")
+
+
+def sharded_numel(model: nn.Module, shards: dict[str, Shard]) -> tuple[int, int]:
+    """(elements this rank holds of the sharded parameters, their TP=1 elements);
+    tied parameters counted once."""
+    local = full = 0
+    seen: set[int] = set()
+    state = dict(model.named_parameters(remove_duplicate=False))
+    for key, shard in shards.items():
+        p = state[key]
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        local += p.numel()
+        full += int(torch.Size(shard.full).numel())
+    return local, full

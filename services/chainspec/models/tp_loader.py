@@ -1,0 +1,63 @@
+"""Load one tensor-parallel rank's shard of a target (DESIGN 4.10).
+
+The model is built with empty (meta) parameters, `shard_target` rewrites it into the
+rank's shard, and each parameter is read from the safetensors files as exactly the slice
+the rank holds (`CheckpointFiles.read_part`): no rank ever holds a full copy of a sharded
+tensor. Strictness is `load_target`'s: every tensor found with its full stored shape, no
+leftovers in the part of the checkpoint the target owns.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from chainspec.models.adapters import adapter_for
+from chainspec.models.checkpoint import CheckpointFiles
+from chainspec.models.config import ModelConfig, read_hf_config
+from chainspec.models.loader import _assign, _check_unexpected, _parse_config, _unread
+from chainspec.models.target import TargetModel
+from chainspec.models.tensor_parallel import (
+    TPGroup,
+    check_divides,
+    empty_weights,
+    shard_target,
+)
+
+
+def load_target_shard(model_dir: str | Path, tp: TPGroup, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu", cache_len: int | None = None,
+                      architecture: str | None = None) -> TargetModel:
+    """Rank `tp.rank`'s shard of the target of `model_dir`. `model.tp_shards`: the slice
+    of each sharded parameter; `model.tp_bytes_read`: the tensor bytes this rank read."""
+    hf = read_hf_config(model_dir)
+    cfg = _parse_config(model_dir, lambda: ModelConfig.from_hf(hf, architecture))
+    check_divides(cfg, tp.world)
+    adapter = adapter_for(hf, architecture)
+    with empty_weights():
+        model = TargetModel(cfg, cache_len)
+    for module in model.modules():  # buffers (rotary tables); parameters stay meta
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
+    shards = shard_target(model, tp)
+    name_of = model.family.checkpoint_name
+    expected = model.state_dict()
+    names = {key: name_of(key) for key in expected}
+    known = set(names.values())
+    if cfg.tie_word_embeddings:
+        names["lm_head.weight"] = name_of("model.embed_tokens.weight")
+    state, read = {}, 0
+    with CheckpointFiles(model_dir) as files:
+        owned = {n for n in files.names() if adapter and adapter.owns(n, cfg.num_layers)}
+        _check_unexpected(files, known | owned | _unread(files, model.family.unread))
+        for key, name in names.items():
+            shard = shards.get(key)
+            tensor = (files.read_part(name, shard.full, shard.dim, shard.start, shard.stop)
+                      if shard else files.read(name, tuple(expected[key].shape)))
+            read += tensor.numel() * tensor.element_size()
+            state[key] = tensor.to(device=device, dtype=dtype)
+    _assign(model, state, model.model.embed_tokens if cfg.tie_word_embeddings else None)
+    model.tp_shards, model.tp_bytes_read = shards, read
+    return model

@@ -1,0 +1,132 @@
+"""Tensor parallel = TP=1 (DESIGN 4.10, issue 22): a TP=2 group on CPU (gloo), rank 0 in
+this process owning the VerifierEngine, rank 1 a spawned process following it in
+lockstep. For the demo model (4 heads over 2 KV heads, tied embeddings) and a tiny Llama
+(1 KV head: replicated; untied, odd vocab: an uneven vocab split, q/k/v biases):
+logits match TP=1 within fp32 tolerance, greedy output is identical token for token,
+speculative output (in-process drafter on rank 0) equals plain, the KV cache holds the
+local heads, and each rank holds 1/N of the sharded parameters and reads no more."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from chainspec.engine.factory import LoadedModels, build_verifier_engine, load_models
+from chainspec.engine.local import DEMO_MODEL, LocalOptions, build_verifier
+from chainspec.engine.request import StopConditions
+from chainspec.engine.runner import run_to_completion
+from chainspec.engine.sampling import SamplingParams
+from chainspec.engine.tp_launch import start_local_group
+from chainspec.models.attention import DenseCausal
+from chainspec.models.config import ModelConfig
+from chainspec.models.tensor_parallel import TPError, TPGroup, check_divides, sharded_numel
+from tests.unit.checkpoints import demo_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [[5, 9, 13, 2, 7, 30, 11], [3] * 21, [17, 4, 60, 8, 1, 12, 6, 45, 33, 2, 9]]
+
+
+def _tiny(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("tp_llama")
+    demo_checkpoint(model_dir, mtp=2)
+    cfg_path = model_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    # 1 KV head (replicated over 2 ranks), vocab 63 (uneven split), Qwen2 biases
+    cfg.update(num_key_value_heads=1, vocab_size=63, architectures=["Qwen2ForCausalLM"])
+    cfg_path.write_text(json.dumps(cfg))
+    gen = torch.Generator().manual_seed(3)
+    for name in ("model.safetensors", "mtp.safetensors"):
+        tensors = load_file(str(model_dir / name))
+        out = {}
+        for key, t in tensors.items():
+            if key.endswith(("k_proj.weight", "v_proj.weight")):
+                t = t[:8].contiguous()
+            if key.endswith(("embed_tokens.weight", "lm_head.weight")):
+                t = t[:63].contiguous()
+            out[key] = t
+            if key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+                bias = key[:-len("weight")] + "bias"
+                out[bias] = torch.randn(out[key].shape[0], generator=gen) * 0.1
+        save_file(out, str(model_dir / name))
+    return model_dir
+
+
+@pytest.fixture(scope="module", params=["demo", "tiny_llama"])
+def group(request, tmp_path_factory):
+    model_dir = DEMO_MODEL if request.param == "demo" else _tiny(tmp_path_factory)
+    opts = LocalOptions(model_dir=model_dir, num_steps=3, max_seqs=4, max_len=128,
+                        kv_block_size=4)
+    reference = load_models(opts, speculative=True)
+    tp = start_local_group(model_dir, 2, cache_len=opts.max_len)
+    try:
+        yield opts, reference, tp.leader
+    finally:
+        tp.close()
+
+
+def _generate(engine, prompts):
+    stop = StopConditions(max_tokens=20, ignore_eos=True)
+    return [c.tokens for c in run_to_completion(engine, prompts, GREEDY, stop).completions]
+
+
+def test_logits_match_tp1(group):
+    opts, reference, leader = group
+    ids = torch.tensor(PROMPTS[2] * 3)
+    n = ids.shape[0]
+    with torch.inference_mode():
+        want = reference.target.logits(reference.target(
+            ids, torch.arange(n), DenseCausal(1, n, reference.target.attention_scale)))
+        got = leader.logits(leader(ids, torch.arange(n), DenseCausal(1, n,
+                                                                     leader.attention_scale)))
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_and_speculative_equal_tp1(group):
+    """Prompts cross prefill chunks (chunk 8) and blocks (4 positions); batch 3."""
+    opts, reference, leader = group
+    opts1 = dataclasses.replace(opts, use_graphs=False)
+    plain = _generate(build_verifier(reference, opts1, speculative=False), PROMPTS)
+    tp_models = LoadedModels(leader, reference.draft)
+    engine = build_verifier_engine(leader, opts1, None)
+    engine.config = dataclasses.replace(engine.config, prefill_chunk=8)
+    assert _generate(engine, PROMPTS) == plain
+    cache_heads = engine.cache.keys[0].shape[2]
+    assert cache_heads == max(1, reference.target.config.num_kv_heads // 2)
+    for k in (1, 3):
+        spec_opts = dataclasses.replace(opts1, num_steps=k)
+        spec = build_verifier(tp_models, spec_opts, speculative=True)
+        assert _generate(spec, PROMPTS) == plain
+        assert spec.drafter is not None
+
+
+def test_each_rank_holds_half_of_the_sharded_parameters(group):
+    opts, reference, leader = group
+    shard = leader.shard
+    cfg = reference.target.config
+    replicated_kv = cfg.num_kv_heads < 2
+    split = {k: s for k, s in shard.tp_shards.items()
+             if not (replicated_kv and k.endswith(("k_proj.weight", "k_proj.bias",
+                                                    "v_proj.weight", "v_proj.bias")))}
+    local, full = sharded_numel(shard, split)
+    vocab_pad = cfg.vocab_size % 2 * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    assert 2 * local == full + vocab_pad  # rank 0 takes the larger vocab share
+    target_bytes = sum(p.numel() for p in reference.target.parameters()) * 4
+    stored = 2 if opts.model_dir == DEMO_MODEL else 4  # the demo is stored in bf16
+    assert shard.tp_bytes_read * 4 / stored < 0.6 * target_bytes
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused():
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=48,
+                      intermediate_size=96, num_layers=1, num_heads=6, num_kv_heads=2,
+                      head_dim=8, max_position=64)
+    with pytest.raises(TPError, match="does not divide the 6 attention heads"):
+        check_divides(cfg, 4)
+    with pytest.raises(TPError, match="2 KV heads cannot be replicated over tensor-par"):
+        check_divides(cfg, 3)
+    check_divides(cfg, 2)
+    assert TPGroup(0, 2).world == 2
