@@ -130,3 +130,21 @@ def fused_mtp_block(tensors: dict[str, torch.Tensor], prefix: str = "mtp.layers.
         own["mlp.experts.down_proj"] = torch.stack(
             [own.pop(f"mlp.experts.{e}.down_proj.weight") for e in per])
     return own
+
+
+def write_qwen3_5_moe_release(path: Path, seed: int = 0):
+    """A random Qwen3.5-MoE release (`Qwen3_5MoeForConditionalGeneration.save_pretrained`:
+    nested text_config, `model.language_model.*`, a tiny vision tower `model.visual.*`)
+    plus the MTP layer `mtp.*`; returns the transformers model (eval)."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    from tests.unit.families.release_checkpoint import VISION
+    text = {**SHAPE, "mtp_num_hidden_layers": 1}
+    cfg = Qwen3_5MoeConfig(text_config=text, vision_config=VISION, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen3_5MoeForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        _randomise(dict(model.named_parameters()), torch.Generator().manual_seed(seed))
+    model.save_pretrained(path)
+    write_mtp("qwen3_5_moe", path, model.config.text_config, seed + 1)
+    return model
