@@ -10,7 +10,8 @@ layer at model.layers.{N}, against transformers and a plainly written reference.
 - The MoE MTP layer (experts stored per expert, the hub's layout) loads through
   `load_draft_model`, matches the family's equations written plainly (router included),
   and greedy speculative output equals plain at K = 1..4, batch 1/3/8; engine
-  acceptance equals the offline simulation within 0.02.
+  acceptance equals the offline simulation within 0.02; modules `train-mtp` writes for
+  an MoE target (MoE blocks) load back in that layout and are lossless.
 - An unsupported router or layer pattern, or a missing expert tensor, fails with one
   line naming it.
 """
@@ -21,15 +22,23 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from chainspec.engine.runner import merged_stats
 from chainspec.models.attention import DenseCausal
 from chainspec.models.loader import load_draft_model, load_target
 from chainspec.models.moe import SparseMoE
 from chainspec.training.evaluate import simulate_rounds
+from chainspec.training.mtp_export import write_folder
+from chainspec.training.mtp_model import TargetWithMTP
 from tests.acceptance_audit import assert_acceptance_matches, engine_acceptance
 from tests.unit.engine_fixtures import outputs, prompts
-from tests.unit.families.deepseek_v3_checkpoint import MOE, mtp_prefix, write_with_mtp
+from tests.unit.families.deepseek_v3_checkpoint import (
+    MOE,
+    mtp_prefix,
+    write_target,
+    write_with_mtp,
+)
 from tests.unit.families.test_deepseek_v3 import (
     SEQ,
     VOCAB,
@@ -226,6 +235,41 @@ def test_drafter_matches_reference(checkpoint):
         prev = model.step(k, x[k: k + SEQ], prev, torch.arange(SEQ), DenseCausal(1, SEQ))
         ours.append((prev, model.logits(k, prev)))
     assert_steps_equal(ours, reference_steps(t, hf.config, x, h, 3))
+
+
+@torch.no_grad()
+def assert_train_mtp_modules_load_back(target_dir, out, modules: int = 2):
+    """`train-mtp`'s output for an MoE target (fresh modules, as training starts): MoE
+    MTP blocks written in the family layout at model.layers.{N+i}, loaded by
+    `load_draft_model` into the same drafter, and lossless in the engine."""
+    trained = TargetWithMTP(load_target(target_dir), modules)
+    trained.init_mtp(seed=3, std=0.3)
+    write_folder(trained, target_dir, out, copy=False)
+    draft = load_draft_model(out)
+    n = trained.config.num_layers
+    assert draft.num_modules == modules
+    assert all(isinstance(m.block.mlp, SparseMoE) for m in draft.mtp)
+    names = load_file(str(out / "mtp.safetensors"))  # experts stacked (fused layout)
+    last = f"model.layers.{n + modules - 1}.mlp."
+    assert {last + "gate.e_score_correction_bias", last + "experts.gate_up_proj"} <= set(names)
+    x, h = inputs(trained.config, 0)
+    ours, theirs = h, h
+    for k in range(1, modules + 1):
+        ours = draft.step(k, x[k: k + SEQ], ours, torch.arange(SEQ), DenseCausal(1, SEQ))
+        theirs = trained.draft.step(k, x[k: k + SEQ], theirs, torch.arange(SEQ),
+                                    DenseCausal(1, SEQ))
+        torch.testing.assert_close(draft.logits(k, ours), trained.draft.logits(k, theirs))
+    batch = prompts(3, VOCAB, seed=9)
+    plain_tokens = outputs(verifier(target_dir), batch, max_tokens=10)[0]
+    for k in (1, 3):
+        got = outputs(verifier(target_dir, draft, k), batch, max_tokens=10)[0]
+        assert got == plain_tokens, f"K={k}"
+
+
+def test_train_mtp_modules_load_back_in_the_family_layout(tmp_path):
+    target_dir = tmp_path / "target"
+    write_target(target_dir, num_nextn_predict_layers=0, **MOE)
+    assert_train_mtp_modules_load_back(target_dir, tmp_path / "out")
 
 
 # --- errors -------------------------------------------------------------------------------

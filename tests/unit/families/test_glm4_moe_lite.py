@@ -8,7 +8,8 @@ MTP layer at model.layers.{N}, against transformers and a plainly written refere
 - Greedy plain decoding equals transformers' `generate`.
 - The NextN layer (MLA + MoE, experts per expert) loads through `load_draft_model`,
   matches the family's equations written plainly, and greedy speculative output equals
-  plain at K = 1..4, batch 1/3/8; engine acceptance equals the offline simulation.
+  plain at K = 1..4, batch 1/3/8; engine acceptance equals the offline simulation;
+  `train-mtp` modules (MoE blocks) load back in that layout and are lossless.
 - An unsupported layer pattern, router or rotary width, or a missing NextN expert
   tensor, fails with one line naming it.
 """
@@ -27,7 +28,7 @@ from chainspec.models.moe import SparseMoE
 from chainspec.training.evaluate import simulate_rounds
 from tests.acceptance_audit import assert_acceptance_matches, engine_acceptance
 from tests.unit.engine_fixtures import outputs, prompts
-from tests.unit.families.glm4_moe_lite_checkpoint import write_with_mtp
+from tests.unit.families.glm4_moe_lite_checkpoint import write_target, write_with_mtp
 from tests.unit.families.test_deepseek_v3 import (
     SEQ,
     VOCAB,
@@ -41,6 +42,7 @@ from tests.unit.families.test_deepseek_v3 import (
 )
 from tests.unit.families.test_deepseek_v3_moe import (
     assert_routing_equals_transformers,
+    assert_train_mtp_modules_load_back,
     reference_steps,
 )
 
@@ -142,6 +144,12 @@ def test_drafter_matches_reference(checkpoint):
         prev = model.step(k, x[k: k + SEQ], prev, torch.arange(SEQ), DenseCausal(1, SEQ))
         ours.append((prev, model.logits(k, prev)))
     assert_steps_equal(ours, reference_steps(t, hf.config, x, h, 3))
+
+
+def test_train_mtp_modules_load_back_in_the_family_layout(tmp_path):
+    target_dir = tmp_path / "target"
+    write_target(target_dir, num_nextn_predict_layers=0)
+    assert_train_mtp_modules_load_back(target_dir, tmp_path / "out")
 
 
 # --- errors -------------------------------------------------------------------------------
