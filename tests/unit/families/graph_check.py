@@ -15,7 +15,7 @@ from chainspec.engine.schedule import Work
 from chainspec.engine.verify_batch import _packed_forward
 from chainspec.engine.verify_graphs import VerifyGraphs
 
-FAMILIES = ("qwen3_5", "mimo_v2_flash", "deepseek_v3", "step3")
+FAMILIES = ("qwen3_5", "mimo_v2_flash", "deepseek_v3", "step3", "qwen3_next")
 VOCAB = 24  # small: random drafters' drafts sometimes hit
 BLOCKS = KVBudget(block_size=4)
 CHUNK = 5
@@ -34,6 +34,9 @@ def write_family(name: str, path: Path) -> None:
     elif name == "deepseek_v3":
         from tests.unit.families.deepseek_v3_checkpoint import write_with_mtp
         write_with_mtp(path, agreeing=True, vocab_size=VOCAB)
+    elif name == "qwen3_next":  # fused GDN projections, MoE layers and MTP layer
+        from tests.unit.families.qwen3_next_checkpoint import write_checkpoint
+        write_checkpoint("qwen3_next", path, seed=5, vocab_size=VOCAB)
     elif name == "step3":  # seed 0: some of its random drafts are accepted here
         from tests.unit.families.step3_checkpoint import write_checkpoint
         write_checkpoint(path, seed=0, vocab_size=VOCAB)

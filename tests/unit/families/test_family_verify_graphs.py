@@ -1,5 +1,5 @@
 """The verifier's static-buffer step (what CUDA graphs replay) for the families with
-windowed groups (MiMo-V2-Flash, Step-3.5-Flash), recurrent states (Qwen3.5) and latent
+windowed groups (MiMo-V2-Flash, Step-3.5-Flash), recurrent states (Qwen3.5, Qwen3-Next) and latent
 caches (DeepSeek-V3), run eagerly on CPU: every decode/verify step of an engine run equals the
 packed step from the same cache (hidden rows, cache values, and the very entries written:
 padding rows and padding sequences write nothing, state rows past a ragged window stay
@@ -70,7 +70,7 @@ def test_graph_safe_is_a_layer_capability(family):
     graph-safe there (its kernels are, below); window groups and latent caches are device
     tensors only."""
     name, target, _, _ = family
-    assert target.graph_safe is (name != "qwen3_5")
+    assert target.graph_safe is (name not in ("qwen3_5", "qwen3_next"))
     graphs = VerifyGraphs(target, engine(target, kv=BLOCKS).cache, 4, K, 256,
                           use_graphs=True)
     assert not graphs.use_graphs and not graphs.enabled  # on CPU: never, packed path
