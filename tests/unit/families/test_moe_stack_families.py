@@ -30,14 +30,23 @@ from safetensors.torch import load_file, save_file
 from chainspec.engine.kv_budget import KVBudget
 from chainspec.engine.runner import merged_stats
 from chainspec.models.attention import AttnBatch, DenseCausal, PagedAttention, SeqRows
+from chainspec.models.config import ModelConfig
 from chainspec.models.errors import CheckpointError
+from chainspec.models.families import family_for
 from chainspec.models.kv_cache import ModelKVCache
 from chainspec.models.loader import load_draft_model, load_target
 from chainspec.models.moe import SparseMoE
+from chainspec.models.mtp import MTPDraftModel
+from chainspec.models.target import TargetModel
 from chainspec.training.evaluate import simulate_rounds
 from chainspec.training.mtp_export import write_folder
 from chainspec.training.mtp_model import TargetWithMTP
-from tests.acceptance_audit import assert_acceptance_matches, engine_acceptance
+from tests.acceptance_audit import (
+    TOLERANCE,
+    assert_acceptance_matches,
+    engine_acceptance,
+    rate_gaps,
+)
 from tests.unit.engine_fixtures import engine, outputs, prompts
 from tests.unit.families.moe_stack_checkpoint import (
     VOCAB,
@@ -282,6 +291,63 @@ def test_acceptance_equals_the_offline_simulation(agreeing, family):
     got = engine_acceptance(eng, every, 16)
     assert min(want.rates) > 0.05  # drafts at stake at every position
     assert_acceptance_matches(got, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_acceptance_check_fails_when_steps_read_the_target_hidden_state(agreeing, family):
+    """The mutant: steps 2..K fed h instead of g[k-1] against the chained simulation."""
+    k, every = 3, prompts(8, VOCAB, seed=7)
+    draft = load_draft_model(agreeing[family])
+    kv = KVBudget(block_size=BLOCK)
+    eng = engine(load_target(agreeing[family]), draft, k=k, chain=False, chunk=5, kv=kv,
+                 drafter_kv=kv)
+    want = simulate_rounds(eng.model, draft, every, k, 16)
+    assert max(rate_gaps(engine_acceptance(eng, every, 16), want)) > TOLERANCE
+
+
+# The releases' shapes (hub config.json fields), built on the meta device: parameter
+# counts as published (GLM-4.5-Air 106B, Qwen3-30B-A3B 30.5B), and a drafter of the
+# embedding, head and one MoE MTP layer only.
+HUB = {
+    "GLM-4.5-Air": ({"architectures": ["Glm4MoeForCausalLM"], "attention_bias": True,
+                     "first_k_dense_replace": 1, "head_dim": 128, "hidden_size": 4096,
+                     "intermediate_size": 10944, "max_position_embeddings": 131072,
+                     "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128,
+                     "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 96,
+                     "num_experts_per_tok": 8, "num_hidden_layers": 46,
+                     "num_key_value_heads": 8, "num_nextn_predict_layers": 1,
+                     "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05,
+                     "rope_theta": 1000000, "routed_scaling_factor": 1.0,
+                     "tie_word_embeddings": False, "topk_group": 1, "use_qk_norm": False,
+                     "vocab_size": 151552}, 106.0e9, 107.5e9),
+    "Qwen3-30B-A3B": ({"architectures": ["Qwen3MoeForCausalLM"], "decoder_sparse_step": 1,
+                       "head_dim": 128, "hidden_size": 2048, "intermediate_size": 6144,
+                       "max_position_embeddings": 40960, "mlp_only_layers": [],
+                       "moe_intermediate_size": 768, "norm_topk_prob": True,
+                       "num_attention_heads": 32, "num_experts": 128,
+                       "num_experts_per_tok": 8, "num_hidden_layers": 48,
+                       "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+                       "rope_theta": 1000000.0, "tie_word_embeddings": False,
+                       "use_sliding_window": False, "vocab_size": 151936,
+                       "num_nextn_predict_layers": 1}, 30.3e9, 30.7e9),
+}
+
+
+@pytest.mark.parametrize("release", HUB)
+def test_hub_configs_build_at_the_published_size(release):
+    hf, low, high = HUB[release]
+    cfg = ModelConfig.from_hf(hf)
+    family = family_for(cfg.architecture)
+    with torch.device("meta"):
+        target = TargetModel(cfg, 64)
+        draft = MTPDraftModel(cfg, 1, family.mtp.glue, 64, family.mtp_block)
+    assert low < sum(p.numel() for p in target.parameters()) < high
+    layer = sum(p.numel() for p in draft.mtp.parameters())
+    assert isinstance(draft.mtp[0].block.mlp, SparseMoE)
+    moe_layer = sum(p.numel() for p in target.model.layers[-1].parameters())
+    assert moe_layer < layer < moe_layer + 3 * cfg.hidden_size ** 2  # + enorm/hnorm/eh_proj
+    shared = 2 * cfg.vocab_size * cfg.hidden_size
+    assert sum(p.numel() for p in draft.parameters()) == shared + layer
 
 
 @pytest.mark.parametrize("family", FAMILIES)
