@@ -29,6 +29,7 @@ EXAMPLES = {
     "scheduling_policy": "priority",
     "drafter.mode": "local", "drafter.replicas": "3", "verifier.replicas": "2",
     "drafter.num_gpus": "0.5", "verifier.num_gpus": "1",
+    "verifier.tensor_parallel_size": "2",
 }
 PARSER, _ = build_parser()
 

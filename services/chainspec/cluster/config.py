@@ -40,6 +40,7 @@ class RoleConfig:
     port: int = 0  # gRPC port of each actor; 0 = any free port. A fixed port allows one
     #                actor of the role per node (Kubernetes: one per pod, so probes work).
     metrics_port: int | None = 0  # Prometheus endpoint of each actor, like `port`; null: off
+    tensor_parallel_size: int = 1  # ranks of one member (DESIGN 4.10; -tp)
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
@@ -53,6 +54,9 @@ class RoleConfig:
             raise ValueError("num_gpus and num_cpus must be >= 0, resource_amount > 0")
         if self.max_restarts < -1:
             raise ValueError(f"max_restarts must be >= -1, got {self.max_restarts}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, "
+                             f"got {self.tensor_parallel_size}")
 
     @property
     def device(self) -> str:
@@ -214,7 +218,8 @@ class StackConfig:
             max_seqs=self.max_seqs, max_len=self.max_len, dtype=self.dtype,
             device=self.role(role).device, kv_cache_memory=self.kv_cache_memory,
             kv_cache_fraction=self.kv_cache_fraction, kv_block_size=self.kv_block_size,
-            draft_top_k=self.draft_top_k, use_graphs=self.use_graphs)
+            draft_top_k=self.draft_top_k, use_graphs=self.use_graphs,
+            tensor_parallel_size=self.role(role).tensor_parallel_size)
         return opts.for_drafter(self.drafter_max_seqs) if role == "drafter" else opts
 
     def to_dict(self) -> dict[str, Any]:

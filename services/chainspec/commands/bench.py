@@ -9,12 +9,12 @@ import json
 from chainspec.bench import BenchOptions, format_report, run_bench
 from chainspec.commands import bench_serve
 from chainspec.commands.help_format import DefaultsHelpFormatter
-from chainspec.commands.model_args import add_model_args, local_options
+from chainspec.commands.model_args import TP_KEYS, add_model_args, local_options
 
 
 def add_parser(sub) -> list[str]:
     p = sub.add_parser("bench", help="speculative vs plain on the same prompts, one run")
-    add_model_args(p)
+    add_model_args(p, TP_KEYS)
     p.add_argument("--prompts", type=int, default=20, help="number of prompts")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=64)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from chainspec.commands.model_args import add_model_args, local_options
+from chainspec.commands.model_args import TP_KEYS, add_model_args, local_options
 from chainspec.engine.local import build_verifier, load_models
 from chainspec.engine.request import StopConditions
 from chainspec.engine.runner import merged_stats, run_to_completion
@@ -14,7 +14,7 @@ from chainspec.models.tokenizer import Tokenizer
 
 def add_parser(sub) -> list[str]:
     p = sub.add_parser("generate", help="generate in one process (speculative by default)")
-    add_model_args(p)
+    add_model_args(p, TP_KEYS)
     p.add_argument("--prompt", action="append", required=True,
                    help="prompt text (repeat for a batch)")
     p.add_argument("--max-tokens", type=int, default=64)

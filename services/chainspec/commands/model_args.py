@@ -18,6 +18,7 @@ from chainspec.engine.options import LocalOptions
 ENGINE_KEYS = ("model_dir", "num_steps", "chain", "max_seqs", "max_len", "dtype",
                "kv_cache_memory", "kv_cache_fraction", "kv_block_size", "draft_top_k",
                "use_graphs")
+TP_KEYS = (*ENGINE_KEYS, "verifier.tensor_parallel_size")  # generate, bench
 DRAFTER_KEYS = (*(k for k in ENGINE_KEYS if k != "max_seqs"), "drafter_max_seqs", "host")
 VERIFIER_KEYS = (*ENGINE_KEYS, "host", "max_waiting", "draft_deadline_s", "pipeline_groups",
                  "draft_ahead", "scheduling_policy", "drafter.mode")

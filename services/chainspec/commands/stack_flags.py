@@ -117,6 +117,9 @@ STACK_FLAGS = (
               {"type": float, "help": "GPUs per drafter (0: CPU)"}),
     StackFlag("verifier.num_gpus", ("--verifier-gpus",),
               {"type": float, "help": "GPUs per verifier (0: CPU)"}),
+    StackFlag("verifier.tensor_parallel_size", ("-tp", "--tensor-parallel-size"),
+              {"type": int, "metavar": "N", "help": "ranks of each verifier's target, one "
+               "process each (tensor parallel; generate and bench so far)"}),
 )
 
 

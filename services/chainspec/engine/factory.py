@@ -10,6 +10,7 @@ an in-process drafter): the verifier is built over whichever it is given.
 
 from __future__ import annotations
 
+import atexit
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,14 @@ class LoadedModels:
 
 
 def load_target_model(opts: LocalOptions) -> TargetModel:
+    """The target; with tensor_parallel_size N > 1, rank 0's `TPLeader` of a group whose
+    other ranks run in processes of their own (closed at exit)."""
+    if opts.tensor_parallel_size > 1:
+        from chainspec.engine.tp_launch import start_local_group
+        group = start_local_group(opts.model_dir, opts.tensor_parallel_size,
+                                  DTYPES[opts.dtype], opts.device, opts.max_len)
+        atexit.register(group.close)
+        return group.leader
     return load_target(opts.model_dir, DTYPES[opts.dtype], opts.device, cache_len=opts.max_len)
 
 

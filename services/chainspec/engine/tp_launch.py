@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 
 from chainspec.engine.tp_group import GroupAddress, TPLeader, follow, join, leave, one_thread
+from chainspec.models.config import ModelConfig, read_hf_config
+from chainspec.models.tensor_parallel import TPError, check_divides
 from chainspec.models.tp_loader import load_target_shard
 
 JOIN_TIMEOUT_S = 30.0
@@ -68,6 +70,10 @@ def start_local_group(model_dir: str | Path, world: int, dtype: torch.dtype = to
     """Ranks 1..world-1 in spawned processes, rank 0 here; returns once every rank has
     loaded its shard (the first collective waits for all)."""
     source = ShardSource(str(model_dir), dtype, device, cache_len)
+    try:  # before spawning anything
+        check_divides(ModelConfig.from_hf(read_hf_config(model_dir)), world)
+    except TPError as e:
+        raise TPError(f"{model_dir}: {e}") from None
     address = GroupAddress.local(world, "nccl" if device == "cuda" else "gloo")
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(address, r, source), daemon=True)
