@@ -6,16 +6,19 @@ window is that of a model that decoded only the accepted tokens (DESIGN 4.9)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from chainspec.models.attention import AttnBatch, DenseCausal, PagedAttention, SeqRows
 from chainspec.models.cache_spec import StateSpec
+from chainspec.models.config import ModelConfig
 from chainspec.models.families.qwen3_next import FusedGatedDeltaNet
 from chainspec.models.kv_cache import ModelKVCache
 from chainspec.models.loader import load_target
 from chainspec.models.moe import SparseMoE
-from tests.unit.families.qwen3_next_checkpoint import SHAPE, write_checkpoint
+from tests.unit.families.qwen3_next_checkpoint import SHAPE, hf_config, write_checkpoint
 
 FAMILIES = ["qwen3_next", "qwen3_5_moe"]
 BLOCK = 4
@@ -74,6 +77,16 @@ def test_layers_follow_the_family_pattern(checkpoint):
     router = layers[0].mlp.gate.cfg
     assert router.norm_topk_prob and router.top_k == 2 and router.num_experts == 4
     assert layers[0].mlp.cfg.shared_gate and layers[0].mlp.cfg.shared_name == "shared_expert"
+
+
+@pytest.mark.parametrize("family,arch,want", [
+    ("qwen3_5_moe", "Qwen3_5MoeForCausalLM", True),  # transformers' router always divides
+    ("qwen3_next", "Qwen3NextForCausalLM", False),  # follows the config field
+])
+def test_norm_topk_prob_as_each_transformers_router_reads_it(family, arch, want):
+    cfg = {**json.loads(hf_config(family).to_json_string()), "architectures": [arch],
+           "norm_topk_prob": False}
+    assert ModelConfig.from_hf(cfg).moe.router.norm_topk_prob is want
 
 
 def test_dense_logits_match_transformers(checkpoint):
