@@ -37,12 +37,10 @@ MTP glue (`mtp.*`, vLLM's `qwen3_5_mtp.py` layout):
 | concat | [emb, hidden] |
 | hidden read | h after the target's final norm (the exported h) |
 | token offset | step k at row p reads x[p+k] |
-| chain | one module reused for K steps (`mtp_num_hidden_layers` 1), chained |
-| layer kind | one `full_attention` layer with output gate (paged KV, no state) |
-
-NOTE: chained steps read g[k-1] before `mtp.norm` (`models/mtp.py`); vLLM's
-`qwen3_5_mtp.py` and SGLang's return, and so chain, the state after it. Both are
-lossless; only acceptance at K >= 2 can differ (docs/design.md, "MTP glue by family").
+| chain | one module reused for K steps (`mtp_num_hidden_layers` 1), chained through |
+| | `mtp.norm`, as vLLM's `qwen3_5_mtp.py` and SGLang's do (`MTPGlue.chains_normed`) |
+| layer kind | one `full_attention` layer with output gate (paged KV, no state); its MLP |
+| | dense, or MoE for the MoE models |
 """
 
 from __future__ import annotations
