@@ -20,7 +20,20 @@ MOE = dict(mlp_layer_types=["dense", "sparse", "sparse", "sparse"], n_routed_exp
            routed_scaling_factor=2.5, norm_topk_prob=True)
 
 
-def write_target(path: Path, seed: int = 0, **extra) -> MiMoV2FlashForCausalLM:
+RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "experts.down_proj")
+
+
+def quiet(model: torch.nn.Module, factor: float) -> None:
+    """Scale what joins the residual stream (attention, MLP and expert outputs)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(RESIDUAL_OUTPUTS):
+                p.mul_(factor)
+
+
+def write_target(path: Path, seed: int = 0, quiet_by: float = 1.0, **extra
+                 ) -> MiMoV2FlashForCausalLM:
+    """`quiet_by` < 1: a quiet target (tests/integration/flash_moe_models.py)."""
     torch.manual_seed(seed)
     model = MiMoV2FlashForCausalLM(hf_config(**{**MOE, **extra})).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -29,6 +42,7 @@ def write_target(path: Path, seed: int = 0, **extra) -> MiMoV2FlashForCausalLM:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+    quiet(model, quiet_by)
     model.save_pretrained(path)
     return model
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tests.unit.families.mimo_v2_flash_moe_checkpoint import quiet
 from tests.unit.families.step3_checkpoint import (
     NUM_MTP,
     Step3p5CausalLM,
@@ -55,7 +56,9 @@ def hub_state(model: Step3p5CausalLM) -> dict[str, torch.Tensor]:
     return state
 
 
-def write_target(path: Path, seed: int = 0, **extra) -> Step3p5CausalLM:
+def write_target(path: Path, seed: int = 0, quiet_by: float = 1.0, **extra
+                 ) -> Step3p5CausalLM:
+    """`quiet_by` < 1: a quiet target (tests/integration/flash_moe_models.py)."""
     torch.manual_seed(seed)
     cfg = hf_config(**{**MOE, **extra})
     model = Step3p5CausalLM(cfg).eval()
@@ -65,6 +68,7 @@ def write_target(path: Path, seed: int = 0, **extra) -> Step3p5CausalLM:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+    quiet(model, quiet_by)
     path.mkdir(parents=True, exist_ok=True)
     save_file(hub_state(model), str(path / "model.safetensors"))
     cfg.save_pretrained(path)
