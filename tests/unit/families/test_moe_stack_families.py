@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from chainspec.engine.kv_budget import KVBudget
 from chainspec.engine.runner import merged_stats
+from chainspec.engine.verify_graphs import VerifyGraphs
 from chainspec.models.attention import AttnBatch, DenseCausal, PagedAttention, SeqRows
 from chainspec.models.config import ModelConfig
 from chainspec.models.errors import CheckpointError
@@ -280,17 +281,25 @@ def test_speculative_equals_plain(agreeing, plain, family, k):
     assert stats.accepted_per_pos[k - 1] > 0
 
 
+@pytest.mark.parametrize("mode", ["packed", "static"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_acceptance_equals_the_offline_simulation(agreeing, family):
-    """DESIGN 3.5: per-position acceptance in the engine equals `simulate_rounds` of the
-    same modules within 0.02."""
+def test_acceptance_equals_the_offline_simulation(agreeing, family, mode):
+    """DESIGN 3.5: per-position acceptance in the engine (the verifier's packed path with
+    the drafter's static buffers; or the verifier's static verify buffers, what CUDA
+    graphs replay, with the drafter's packed path) equals `simulate_rounds` of the same
+    modules within 0.02."""
     k, every = 3, prompts(8, VOCAB, seed=7)
     draft = load_draft_model(agreeing[family])
     eng = verifier(agreeing[family], draft, k)
+    if mode == "static":
+        eng.graphs = VerifyGraphs(eng.model, eng.cache, eng.config.max_seqs, k,
+                                  eng.config.max_len, use_graphs=False, static_on_cpu=True)
+        eng.drafter.engine.runner.fits = lambda windows: False
     want = simulate_rounds(eng.model, draft, every, k, 16)
     got = engine_acceptance(eng, every, 16)
     assert min(want.rates) > 0.05  # drafts at stake at every position
     assert_acceptance_matches(got, want)
+    assert (eng.graphs.eager_runs > 0) is (mode == "static")  # the static path ran
 
 
 @pytest.mark.parametrize("family", FAMILIES)
