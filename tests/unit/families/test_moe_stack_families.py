@@ -27,6 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from chainspec.cluster.plain_target import no_mtp_reason
 from chainspec.engine.kv_budget import KVBudget
 from chainspec.engine.runner import merged_stats
 from chainspec.engine.verify_graphs import VerifyGraphs
@@ -363,9 +364,14 @@ def test_hub_configs_build_at_the_published_size(release):
 @torch.no_grad()
 def test_train_mtp_modules_load_back_in_the_family_layout(tmp_path, family):
     """`train-mtp`'s output: the family's MoE block at model.layers.{N+i}, loaded by
-    `load_draft_model` into the same drafter that was trained."""
+    `load_draft_model` into the same drafter that was trained. The GLM target declares
+    one NextN layer and ships none (transformers' default config; quantized releases
+    drop layer N the same way): it serves plainly, saying why, and gets modules."""
     target_dir, out = tmp_path / "target", tmp_path / "out"
-    write_target(target_dir, family, num_nextn_predict_layers=0)
+    declared = {"glm4_moe": 1, "qwen3_moe": 0}[family]
+    write_target(target_dir, family, num_nextn_predict_layers=declared)
+    why = "holds none of their weights" if declared else "declares no MTP modules"
+    assert why in no_mtp_reason(target_dir)
     trained = TargetWithMTP(load_target(target_dir), 2)
     trained.init_mtp(seed=3, std=0.3)
     write_folder(trained, target_dir, out, copy=False)
