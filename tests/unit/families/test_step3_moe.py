@@ -98,6 +98,24 @@ def test_routing_equals_transformers_in_every_sparse_layer(checkpoint):
 
 
 @torch.no_grad()
+def test_ties_break_as_transformers_breaks_them(checkpoint):
+    """Experts 1, 4, 6 given one router row and bias: bit-identical scores."""
+    hf, path = checkpoint
+    ours = load_target(path).model.layers[1].mlp.gate
+    theirs = hf.model.layers[1].mlp.gate
+    with torch.no_grad():
+        for gate in (ours, theirs):
+            gate.weight[[4, 6]] = gate.weight[1].clone()
+            gate.e_score_correction_bias[[4, 6]] = gate.e_score_correction_bias[1].clone()
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(4))
+    got_ids, got_w = ours(x)
+    _, want_w, want_ids = theirs(x)
+    hits = torch.isin(got_ids, torch.tensor([1, 4, 6])).sum(-1)  # [64] tied experts chosen
+    assert ((hits == 1) | (hits == 2)).sum() > 5  # the top-k boundary fell inside the tie
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w.float())
+
+
+@torch.no_grad()
 def test_expert_clamp_and_late_scale_both_matter(checkpoint):
     hf, path = checkpoint
     x = ids()["a"]
@@ -157,6 +175,10 @@ def _edit_config(path, **fields) -> None:
                                            "'softmax'"),
     ({"use_moe_router_bias": False}, "unsupported router use_moe_router_bias=false"),
     ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 must be in 1..8"),
+    ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]},
+     "unsupported mlp_layer_types ['moe']"),
+    ({"mlp_layer_types": None, "mtp_mlp_layer_types": None, "moe_layers_enum": "1,x"},
+     "unsupported moe_layers_enum '1,x'"),
 ])
 def test_unsupported_router_fails_in_one_line_naming_it(tmp_path, fields, words):
     write_target(tmp_path, seed=1)

@@ -190,7 +190,11 @@ def _mlp_types(cfg: dict[str, Any], n: int, m: int) -> tuple[list[str], list[str
             moe = set(range(3, n))  # transformers' default
         else:
             items = enum.split(",") if isinstance(enum, str) else enum
-            moe = {int(i) for i in items if str(i).strip()}
+            try:
+                moe = {int(i) for i in items if str(i).strip()}
+            except ValueError:
+                raise CheckpointError(f"unsupported moe_layers_enum {enum!r}: layer "
+                                      f"indices expected") from None
         kinds = [SPARSE if i in moe else DENSE for i in range(n + m)]
         target, mtp = kinds[:n], kinds[n:]
     return target, cfg.get("mtp_mlp_layer_types") or mtp or [DENSE] * m
