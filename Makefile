@@ -40,10 +40,12 @@ gpu-check: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
 lint: $(STAMP)
 	$(VENV)/bin/ruff check services tests benchmarks
 
-# System tools some tests drive (helm into ./.tools/bin; promtool and prometheus from apt).
+# System tools some tests drive (helm into ./.tools/bin; promtool, prometheus and
+# redis-server from apt).
 tools:
 	bash deploy/install-tools.sh
 	bash deploy/install-prometheus.sh
+	bash deploy/install-redis.sh
 
 protos: $(STAMP)
 	$(PY) -m chainspec.rpc.build_protos

@@ -87,6 +87,13 @@ def crd_dir() -> Path:
     return CRD_DIR
 
 
+def redis_server() -> str:
+    """Path of redis-server (GCS fault tolerance tests; Debian's redis-server package)."""
+    return shutil.which("redis-server") or missing(
+        "redis-server", "run `make tools` (deploy/install-redis.sh installs Debian's "
+                        "redis-server)")
+
+
 PROMETHEUS_HOW = "run `make tools` (deploy/install-prometheus.sh installs Debian's prometheus)"
 
 

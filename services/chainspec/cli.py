@@ -11,7 +11,7 @@ from chainspec.commands.help_format import OneLineErrorParser
 
 # Module names under chainspec.commands, in help order.
 COMMANDS = ("generate", "bench", "train_demo", "train_mtp", "drafter", "verifier", "up",
-            "status", "scale", "down", "serve", "gateway", "health")
+            "status", "scale", "drain", "down", "serve", "gateway", "health")
 
 
 def _modules() -> dict[str, object]:

@@ -175,6 +175,30 @@ class Controller(AutoscalingMixin):
             await self._wait_started(started)
         return await self.members()
 
+    async def drain_members(self, member_ids: list[str]) -> list[dict[str, Any]]:
+        """Drain these members now (a pod about to stop: the chart's preStop hook) and
+        return once they are gone. The desired counts stay: each gets a replacement at
+        once, which waits for room (a free pod) like any other actor."""
+        await self._recovered.wait()
+        self._refuse_if_stopped()
+        known = {m for m, v in self._members.items() if v.role in ROLES}
+        if unknown := sorted(set(member_ids) - known):
+            raise ValueError(f"no drafter or verifier {', '.join(unknown)} in this stack; "
+                             f"members: {', '.join(sorted(known)) or 'none'}")
+        drains = []
+        for member in (self._members[m] for m in member_ids):
+            if member.state is not MemberState.DRAINING:
+                self.intent.draining.append(member.member_id)
+                self._save()  # NOTE: before acting, so a restart drains it again
+                member.state = MemberState.DRAINING
+                drains.append(self._start_task(self._drain(member)))
+        for role in {role_of(m) for m in member_ids}:
+            self._reconcile(role)
+        await asyncio.gather(*drains)
+        while any(m in self._members for m in member_ids):  # drained by an earlier call
+            await asyncio.sleep(0.1)
+        return await self.members()
+
     async def shutdown(self) -> None:
         """Kill every member (no restarts), adopted or not yet; a restart of this
         controller from now on spawns nothing."""

@@ -178,6 +178,20 @@ def scale(role: str, n: int, address: str | None = None, namespace: str = NAMESP
                          f"{role}(s) first and carries on: see `chainspec status`") from None
 
 
+def drain(member_ids: list[str], address: str | None = None, namespace: str = NAMESPACE
+          ) -> list[dict[str, Any]]:
+    """Drain these members and wait until they are gone (`Controller.drain_members`)."""
+    try:
+        return ray.get(connect(address, namespace).drain_members.remote(member_ids))
+    except ray.exceptions.RayTaskError as e:  # an unknown member: say which
+        if isinstance(e.cause, ValueError):
+            raise StackError(str(e.cause)) from None
+        raise
+    except ray.exceptions.ActorUnavailableError:
+        raise StackError("the controller restarted while draining; it had recorded the "
+                         "drain first and carries on: see `chainspec status`") from None
+
+
 def autoscale_state(address: str | None = None, namespace: str = NAMESPACE
                     ) -> dict[str, Any]:
     """The drafter autoscaling policy (None: fixed), last decision, desired count and the
