@@ -41,7 +41,7 @@ from chainspec.models.moe import MoEConfig, Scoring, SparseMoE, num_experts, spa
 from chainspec.models.rope import RotaryEmbedding
 
 # transformers' Glm4MoeConfig defaults for the fields a hub config may leave out
-MOE_DEFAULTS = {"first_k_dense_replace": 1, "n_shared_experts": 1, "norm_topk_prob": True}
+MOE_DEFAULTS = {"first_k_dense_replace": 1, "n_shared_experts": 1}
 
 
 @dataclass(frozen=True)
