@@ -39,3 +39,15 @@ def test_deepseek_wide_experts(rows: int) -> None:
     """Hidden 7168, width 2048 (DeepSeek-V3's), 8 experts (made on the host: 256 would
     take minutes and are not needed to exercise the tiles)."""
     _check(_case(rows, 8, 2, 7168, 2048, torch.bfloat16, seed=rows), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("rows", (20, 130))
+def test_clamped_swiglu_matches_reference(rows: int, dtype) -> None:
+    """Step-3.5's clamped routed experts (limit 0.05: most activations clamped)."""
+    args = tuple(a.to(CUDA) for a in _case(rows, 16, 4, 64, 32, dtype, seed=rows))
+    got, want = fused_moe(*args, limit=0.05), fused_moe_reference(*args, limit=0.05)
+    assert (want.float() - fused_moe_reference(*args).float()).abs().max() > 1e-3
+    scale = want.float().abs().max().clamp(min=1e-3)
+    torch.testing.assert_close(got.float() / scale, want.float() / scale, rtol=0,
+                               atol=TOL[dtype])
