@@ -1,7 +1,8 @@
 """Tensor parallel = TP=1 (DESIGN 4.10, issue 22): a TP=2 group on CPU (gloo), rank 0 in
 this process owning the VerifierEngine, rank 1 a spawned process following it in
-lockstep. For the demo model (4 heads over 2 KV heads, tied embeddings) and a tiny Llama
-(1 KV head: replicated; untied, odd vocab: an uneven vocab split, q/k/v biases):
+lockstep. For the demo model (4 heads over 2 KV heads, tied embeddings), a tiny Llama
+(1 KV head: replicated; untied, odd vocab: an uneven vocab split, q/k/v biases) and a
+tiny DeepSeek-V3 with dense layers (MLA by heads, the latent cache replicated):
 logits match TP=1 within fp32 tolerance, greedy output is identical token for token,
 speculative output (in-process drafter on rank 0) equals plain, the KV cache holds the
 local heads, and each rank holds 1/N of the sharded parameters and reads no more."""
@@ -18,13 +19,14 @@ from safetensors.torch import load_file, save_file
 from chainspec.engine.factory import LoadedModels, build_verifier_engine, load_models
 from chainspec.engine.local import DEMO_MODEL, LocalOptions, build_verifier
 from chainspec.engine.request import StopConditions
-from chainspec.engine.runner import run_to_completion
+from chainspec.engine.runner import merged_stats, run_to_completion
 from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.tp_launch import start_local_group
 from chainspec.models.attention import DenseCausal
 from chainspec.models.config import ModelConfig
 from chainspec.models.tensor_parallel import TPError, TPGroup, check_divides, sharded_numel
 from tests.unit.checkpoints import demo_checkpoint
+from tests.unit.families.deepseek_v3_checkpoint import write_with_mtp
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[5, 9, 13, 2, 7, 30, 11], [3] * 21, [17, 4, 60, 8, 1, 12, 6, 45, 33, 2, 9]]
@@ -55,9 +57,19 @@ def _tiny(tmp_path_factory):
     return model_dir
 
 
-@pytest.fixture(scope="module", params=["demo", "tiny_llama"])
+def _deepseek_mla(tmp_path_factory):
+    """DeepSeek-V3 with dense layers: MLA (low-rank q, latent cache) + SwiGLU."""
+    model_dir = tmp_path_factory.mktemp("tp_mla")
+    write_with_mtp(model_dir, agreeing=True)
+    return model_dir
+
+
+CHECKPOINTS = {"demo": lambda _: DEMO_MODEL, "tiny_llama": _tiny, "deepseek_mla": _deepseek_mla}
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
 def group(request, tmp_path_factory):
-    model_dir = DEMO_MODEL if request.param == "demo" else _tiny(tmp_path_factory)
+    model_dir = CHECKPOINTS[request.param](tmp_path_factory)
     opts = LocalOptions(model_dir=model_dir, num_steps=3, max_seqs=4, max_len=128,
                         kv_block_size=4)
     reference = load_models(opts, speculative=True)
@@ -70,7 +82,9 @@ def group(request, tmp_path_factory):
 
 def _generate(engine, prompts):
     stop = StopConditions(max_tokens=20, ignore_eos=True)
-    return [c.tokens for c in run_to_completion(engine, prompts, GREEDY, stop).completions]
+    completions = run_to_completion(engine, prompts, GREEDY, stop).completions
+    _generate.accepted = merged_stats(completions, engine.config.num_steps).accepted_tokens
+    return [c.tokens for c in completions]
 
 
 def test_logits_match_tp1(group):
@@ -95,20 +109,21 @@ def test_greedy_and_speculative_equal_tp1(group):
     engine = build_verifier_engine(leader, opts1, None)
     engine.config = dataclasses.replace(engine.config, prefill_chunk=8)
     assert _generate(engine, PROMPTS) == plain
-    cache_heads = engine.cache.keys[0].shape[2]
-    assert cache_heads == max(1, reference.target.config.num_kv_heads // 2)
+    spec = reference.target.cache_specs()[0]  # TP=1's
+    local = 1 if spec.latent or spec.num_kv_heads < 2 else spec.num_kv_heads // 2
+    assert engine.cache.keys[0].shape[2] == local  # the cache holds this rank's heads
     for k in (1, 3):
         spec_opts = dataclasses.replace(opts1, num_steps=k)
         spec = build_verifier(tp_models, spec_opts, speculative=True)
         assert _generate(spec, PROMPTS) == plain
-        assert spec.drafter is not None
+        assert _generate.accepted > 0  # drafts were at stake (demo, MLA: 18-37 accepted)
 
 
 def test_each_rank_holds_half_of_the_sharded_parameters(group):
     opts, reference, leader = group
     shard = leader.shard
     cfg = reference.target.config
-    replicated_kv = cfg.num_kv_heads < 2
+    replicated_kv = reference.target.cache_specs()[0].num_kv_heads < 2
     split = {k: s for k, s in shard.tp_shards.items()
              if not (replicated_kv and k.endswith(("k_proj.weight", "k_proj.bias",
                                                     "v_proj.weight", "v_proj.bias")))}

@@ -7,6 +7,8 @@ loader reads only that slice (`models/tp_loader.py`). The rules, per block:
 - attention (GQA): q/k/v column-parallel by heads, o_proj row-parallel; KV heads split,
   or replicated (one per rank) when there are fewer KV heads than ranks. Each layer's
   cache spec then reports its local heads, so the KV cache is sharded by heads;
+- MLA: by heads (q, kv_b column-parallel, o_proj row-parallel); the latent cache and
+  the low-rank projections replicated;
 - dense MLP: gate/up column-parallel, down row-parallel;
 - one all-reduce per block (after o_proj, after down_proj), biases added once after it;
 - embedding vocab-parallel (rows [v0, v1) per rank, one all-reduce), LM head
@@ -18,6 +20,7 @@ refused by name (`TPError`), never silently replicated.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chainspec.models.layers import MLP, Attention
+from chainspec.models.mla import LatentAttention
 
 
 class TPError(ValueError):
@@ -209,6 +213,23 @@ class Sharder:
         self.row(attn, "o_proj", prefix, q0 * d, (q0 + nq) * d)
         attn.num_heads, attn.num_kv_heads = nq, nk
 
+    def latent(self, attn: LatentAttention, prefix: str) -> None:
+        """MLA by heads: q (q_proj or q_b_proj) and kv_b_proj column-parallel, o_proj
+        row-parallel; the low-rank q_a / kv_a projections and the latent cache (one
+        head of c_kv + k_rope) are replicated, as every head reads them."""
+        s, n = attn.shape, self.tp.world
+        if s.num_heads % n:
+            raise TPError(f"tensor-parallel size {n} does not divide the {s.num_heads} "
+                          f"attention heads")
+        per = s.num_heads // n
+        h0 = self.tp.rank * per
+        qk, kv = s.qk_nope_head_dim + s.qk_rope_head_dim, s.qk_nope_head_dim + s.v_head_dim
+        q_name = "q_proj" if s.q_lora_rank is None else "q_b_proj"
+        self.column(attn, q_name, prefix, h0 * qk, (h0 + per) * qk)
+        self.column(attn, "kv_b_proj", prefix, h0 * kv, (h0 + per) * kv)
+        self.row(attn, "o_proj", prefix, h0 * s.v_head_dim, (h0 + per) * s.v_head_dim)
+        attn.shape = dataclasses.replace(s, num_heads=per)
+
     def mlp(self, mlp: MLP, prefix: str) -> None:
         size = mlp.gate_proj.out_features
         if size % self.tp.world:
@@ -224,6 +245,8 @@ class Sharder:
         for name, child in layer.named_children():
             if isinstance(child, Attention):
                 self.attention(child, f"{prefix}{name}.")
+            elif isinstance(child, LatentAttention):
+                self.latent(child, f"{prefix}{name}.")
             elif isinstance(child, MLP):
                 self.mlp(child, f"{prefix}{name}.")
             elif any(True for _ in child.parameters()) and not _replicated(child):
