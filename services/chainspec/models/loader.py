@@ -176,6 +176,7 @@ def _read_all(files: CheckpointFiles, names: dict[str, str], model: nn.Module,
     if missing:
         raise CheckpointError(f"{files.model_dir}: missing tensor {_listed(missing)}")
     state = {}
+    fp32 = moe.fp32_keys(model)
     headers_only = torch.device(device).type == "meta"  # a check (`models/validate.py`)
     for key, name in names.items():
         def read(n: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -183,7 +184,7 @@ def _read_all(files: CheckpointFiles, names: dict[str, str], model: nn.Module,
         split = parts[key]
         tensor = split.read(read) if split else read(name, tuple(expected[key].shape))
         tensor = convert(key, tensor) if convert else tensor
-        keep = key.endswith(moe.FP32_SUFFIXES)  # e.g. the router's correction bias
+        keep = key.endswith(moe.FP32_SUFFIXES) or key in fp32  # router bias, MiMo's gate
         state[key] = tensor.to(device=device, dtype=torch.float32 if keep else dtype)
     return state
 

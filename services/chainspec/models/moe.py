@@ -75,6 +75,7 @@ class RouterConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     norm_eps: float = 1e-20  # sigmoid norm_topk_prob: sum + norm_eps (Step-3.5: 0)
+    fp32_weight: bool = False  # `gate.weight` loads in fp32 (MiMo-V2-Flash, as transformers)
 
     def __post_init__(self) -> None:
         e, k, g = self.num_experts, self.top_k, self.n_group
@@ -123,6 +124,13 @@ class RouterConfig:
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0)
             if sigmoid else 1.0,
         )
+
+
+def fp32_keys(model: nn.Module) -> set[str]:
+    """State keys of router weights kept in fp32 whatever the load dtype (beside
+    `FP32_SUFFIXES`): the routers whose config says `fp32_weight`."""
+    return {f"{name}.weight" for name, m in model.named_modules()
+            if isinstance(m, Router) and m.cfg.fp32_weight}
 
 
 def num_experts(cfg: dict[str, Any]) -> int:

@@ -153,3 +153,27 @@ def test_a_missing_expert_is_named(tmp_path):
                        "model.layers.2.mlp.experts.5.up_proj.weight") as e:
         load_target(tmp_path)
     assert "\n" not in str(e.value)
+
+
+@torch.no_grad()
+def test_bf16_load_keeps_the_router_in_fp32_and_routes_as_transformers(checkpoint):
+    """transformers keeps `mlp.gate.weight` (and the bias) fp32 for this family; so do we,
+    and routing on the bf16 hidden states its bf16 model feeds its MoE blocks is equal."""
+    from transformers import MiMoV2FlashForCausalLM
+    _, path = checkpoint
+    hf = MiMoV2FlashForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    model = load_target(path, dtype=torch.bfloat16)
+    gate = model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert hf.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    seen: dict[int, torch.Tensor] = {}
+    for i in (1, 2, 3):
+        hf.model.layers[i].mlp.register_forward_pre_hook(
+            lambda _m, args, i=i: seen.__setitem__(i, args[0].reshape(-1, args[0].shape[-1])))
+    hf(input_ids=ids()["a"][None])
+    for i, x in seen.items():
+        assert x.dtype == torch.bfloat16
+        _, want_w, want_ids = hf.model.layers[i].mlp.gate(x)
+        got_ids, got_w = model.model.layers[i].mlp.gate(x)
+        assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w.float()), i

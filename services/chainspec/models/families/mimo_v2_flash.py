@@ -15,7 +15,8 @@ as transformers' `MiMoV2FlashMoE`: DeepSeek-V3's sigmoid router -- correction bi
 `gate.e_score_correction_bias`, group-limited top-k `n_group`/`topk_group`, weights
 normalised by their sum + 1e-20 with `norm_topk_prob`, times `routed_scaling_factor`
 (the hub's null: 1.0) -- and **no shared experts**: a config's `n_shared_experts` is ignored,
-as transformers ignores it). Experts load per expert (`mlp.experts.{e}.*_proj`, the hub's
+as transformers ignores it; the router weight stays fp32 on a bf16 load, as transformers
+keeps it). Experts load per expert (`mlp.experts.{e}.*_proj`, the hub's
 and `save_pretrained`'s layout) or fused.
 Configs parse in transformers' layout (what `save_pretrained` writes) and in the hub's
 original one (what SGLang's `mimo_v2_flash.py` and vLLM's read), field for field:
@@ -198,7 +199,8 @@ def _moe(cfg: dict[str, Any], mlp_kinds: tuple[str, ...]) -> MoEConfig | None:
     if not num_experts(cfg):
         raise CheckpointError("mlp_layer_types 'sparse' without n_routed_experts")
     moe = MoEConfig.from_hf(cfg, Scoring.SIGMOID, norm_default=True)
-    return replace(moe, shared_intermediate_size=0, shared_gate=False)
+    return replace(moe, router=replace(moe.router, fp32_weight=True),  # transformers': strict
+                   shared_intermediate_size=0, shared_gate=False)
 
 
 def parse(cfg: dict[str, Any], arch: str) -> MiMoV2FlashConfig:
