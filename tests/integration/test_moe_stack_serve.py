@@ -3,11 +3,13 @@ native NextN layer (`model.layers.{N}`, a MoE block) and for Qwen3-MoE with the 
 `train-mtp` writes for it (DeepSeek layout, the family's MoE block): greedy output of 8
 concurrent streams equals plain decoding by an in-process engine, and drafts were
 accepted past the first position. The trained modules are also lossless in the engine at
-K = 1..4, batch 1/3/8. One stack per family on the session's Ray, each in its own
-namespace."""
+K = 1..4, batch 1/3/8, and with each family's drafter behind gRPC, engine acceptance
+equals the offline simulation within 0.02 (DESIGN 3.5). One stack per family on the
+session's Ray, each in its own namespace."""
 
 from __future__ import annotations
 
+import copy
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,15 +19,21 @@ import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
+from chainspec.engine.factory import build_drafter
 from chainspec.engine.kv_budget import KVBudget
+from chainspec.engine.local import LocalOptions
 from chainspec.engine.runner import merged_stats
 from chainspec.models.loader import load_draft_model, load_target
 from chainspec.models.moe import SparseMoE
 from chainspec.models.tokenizer import Tokenizer
+from chainspec.rpc.draft_pool import DrafterMatch, GrpcDraftClient
+from chainspec.training.evaluate import simulate_rounds
 from chainspec.training.mtp_recipe import MTPRecipe, RunSettings
 from chainspec.training.recipe import EvalSettings, StageSchedule
 from chainspec.training.train_mtp import MTPJob, train_mtp
+from tests.acceptance_audit import assert_acceptance_matches, engine_acceptance
 from tests.integration import helpers
+from tests.integration.grpc_helpers import start_drafter
 from tests.integration.helpers import plain_outputs, prompt_ids, start_serve
 from tests.integration.tiny_checkpoint import CORPUS, write_tokenizer
 from tests.unit.engine_fixtures import engine, outputs
@@ -65,7 +73,7 @@ def trained_qwen(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def moe_models(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -76,10 +84,10 @@ def models(tmp_path_factory):
         torch.set_num_threads(threads)
 
 
-def test_trained_qwen3_moe_modules_are_lossless(models):
+def test_trained_qwen3_moe_modules_are_lossless(moe_models):
     """train-mtp's output: two MoE blocks at model.layers.{N}, {N+1}; speculative ==
     plain per K, one prompt alone, three together, all eight in one batch."""
-    path = models["qwen3_moe"]
+    path = moe_models["qwen3_moe"]
     draft = load_draft_model(path)
     assert draft.num_modules == 2 and isinstance(draft.mtp[1].block.mlp, SparseMoE)
     target, every = load_target(path), prompt_ids(path, STREAMS)
@@ -95,6 +103,32 @@ def test_trained_qwen3_moe_modules_are_lossless(models):
         assert merged_stats(stats, k).accepted_per_pos[0] > 0, k
 
 
+@pytest.mark.parametrize("family", ["glm4_moe", "qwen3_moe"])
+def test_remote_drafter_acceptance_matches_the_offline_simulation(moe_models, loop, family):
+    """DESIGN 3.5 with the drafter behind gRPC: per-position acceptance equals
+    `simulate_rounds` of the same modules within 0.02."""
+    path = moe_models[family]
+    target, draft = load_target(path), load_draft_model(path)
+    every = prompt_ids(path, STREAMS)
+    offline = simulate_rounds(target, draft, every, K, 16)
+    assert min(offline.rates) > 0.02, offline.rates  # drafts at stake at every position
+    opts = LocalOptions(path, num_steps=K, max_seqs=4, max_len=256, kv_block_size=4)
+    server = start_drafter(loop, build_drafter(copy.deepcopy(draft), opts.for_drafter()))
+    client = GrpcDraftClient([server.address], round_deadline_s=10.0,
+                             match=DrafterMatch(K, target.config.hidden_size,
+                                                target.config.vocab_size))
+    try:
+        kv = KVBudget(block_size=4)
+        eng = engine(target, k=K, chunk=5, kv=kv, client=client, sampled_drafts=False)
+        got = engine_acceptance(eng, every, 16)
+    finally:
+        client.close()
+        loop.run(server.stop(0))
+    print(f"{family} remote: engine {[round(r, 3) for r in got.rates]}, "
+          f"offline {[round(r, 3) for r in offline.rates]}")
+    assert_acceptance_matches(got, offline)
+
+
 def stream(client: openai.OpenAI, prompt: str) -> tuple[str, dict]:
     text, usage = "", None
     for chunk in client.completions.create(
@@ -107,8 +141,8 @@ def stream(client: openai.OpenAI, prompt: str) -> tuple[str, dict]:
 
 
 @pytest.mark.parametrize("family", ["glm4_moe", "qwen3_moe"])
-def test_served_streams_equal_plain_decoding(ray_cluster, models, family):
-    model_dir = models[family]
+def test_served_streams_equal_plain_decoding(ray_cluster, moe_models, family):
+    model_dir = moe_models[family]
     tok = Tokenizer.from_dir(model_dir)
     plain = [tok.decode(t) for t in plain_outputs(model_dir, prompt_ids(model_dir, STREAMS),
                                                   TOKENS)]
