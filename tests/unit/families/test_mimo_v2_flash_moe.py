@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from chainspec.models.errors import CheckpointError
 from chainspec.models.loader import load_draft_model, load_target
 from chainspec.models.moe import SparseMoE, route
 from tests.unit.engine_fixtures import engine, outputs
+from tests.unit.families.mimo_v2_flash_checkpoint import mtp_shapes
 from tests.unit.families.mimo_v2_flash_moe_checkpoint import write_checkpoint, write_target
 from tests.unit.families.test_mimo_v2_flash_engine import (
     BLOCKS,
@@ -100,6 +102,15 @@ def test_routing_equals_transformers_in_every_sparse_layer(checkpoint):
             other = route(x, gate.weight, bias, cfg)[0]
             assert not torch.equal(other.sort(-1)[0], got_ids.sort(-1)[0]), (i, change)
     assert len(chosen) > 4  # routes spread over the experts
+
+
+def test_the_drafter_holds_no_target_expert(models):
+    """The drafter loads the embedding, the head and its (dense) MTP layers only."""
+    hf, _, draft = models
+    assert not [n for n, _ in draft.named_parameters() if "experts" in n or ".gate." in n]
+    mtp = sum(math.prod(shape) for shape in mtp_shapes(hf.config).values())
+    shared = hf.config.vocab_size * hf.config.hidden_size  # the embedding, the head
+    assert sum(p.numel() for p in draft.parameters()) == mtp + 2 * shared
 
 
 def test_greedy_plain_equals_transformers(models, plain):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from chainspec.models.errors import CheckpointError
 from chainspec.models.loader import load_draft_model, load_target
 from chainspec.models.moe import SparseMoE
 from tests.unit.engine_fixtures import engine, outputs
-from tests.unit.families.step3_checkpoint import NUM_MTP
+from tests.unit.families.step3_checkpoint import NUM_MTP, mtp_shapes
 from tests.unit.families.step3_moe_checkpoint import MOE, write_checkpoint, write_target
 from tests.unit.families.test_step3_engine import (
     BLOCKS,
@@ -141,6 +142,15 @@ def test_the_hubs_config_spelling_parses_to_the_same_model(checkpoint):
                use_moe_router_bias=True)
     assert len(hub["swiglu_limits"]) == cfg["num_hidden_layers"] + NUM_MTP
     assert ModelConfig.from_hf(hub) == ModelConfig.from_hf(cfg)
+
+
+def test_the_drafter_holds_no_target_expert(models):
+    """The drafter loads the embedding, the head and its (dense) MTP layers only."""
+    hf, _, draft = models
+    assert not [n for n, _ in draft.named_parameters() if "experts" in n or ".gate." in n]
+    mtp = sum(math.prod(shape) for shape in mtp_shapes(hf.config).values())
+    shared = hf.config.vocab_size * hf.config.hidden_size  # the embedding, the head
+    assert sum(p.numel() for p in draft.parameters()) == mtp + 2 * shared
 
 
 def test_greedy_plain_equals_transformers(models, plain):
