@@ -2,7 +2,8 @@
 this process owning the VerifierEngine, rank 1 a spawned process following it in
 lockstep. For the demo model (4 heads over 2 KV heads, tied embeddings), a tiny Llama
 (1 KV head: replicated; untied, odd vocab: an uneven vocab split, q/k/v biases) and a
-tiny DeepSeek-V3 with dense layers (MLA by heads, the latent cache replicated):
+tiny DeepSeek-V3 with dense layers (MLA by heads, the latent cache replicated) and one
+with MoE layers (experts split across the ranks, per-expert tensors read per rank):
 logits match TP=1 within fp32 tolerance, greedy output is identical token for token,
 speculative output (in-process drafter on rank 0) equals plain, the KV cache holds the
 local heads, and each rank holds 1/N of the sharded parameters and reads no more."""
@@ -24,9 +25,15 @@ from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.tp_launch import start_local_group
 from chainspec.models.attention import DenseCausal
 from chainspec.models.config import ModelConfig
-from chainspec.models.tensor_parallel import TPError, TPGroup, check_divides, sharded_numel
+from chainspec.models.tensor_parallel import (
+    LocalExperts,
+    TPError,
+    TPGroup,
+    check_divides,
+    sharded_numel,
+)
 from tests.unit.checkpoints import demo_checkpoint
-from tests.unit.families.deepseek_v3_checkpoint import write_with_mtp
+from tests.unit.families.deepseek_v3_checkpoint import MOE, write_with_mtp
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[5, 9, 13, 2, 7, 30, 11], [3] * 21, [17, 4, 60, 8, 1, 12, 6, 45, 33, 2, 9]]
@@ -64,7 +71,16 @@ def _deepseek_mla(tmp_path_factory):
     return model_dir
 
 
-CHECKPOINTS = {"demo": lambda _: DEMO_MODEL, "tiny_llama": _tiny, "deepseek_mla": _deepseek_mla}
+def _deepseek_moe(tmp_path_factory):
+    """DeepSeek-V3 with MoE from layer 1 (8 experts stored per expert, grouped sigmoid
+    router, one shared expert): experts split 4 + 4 (expert parallel)."""
+    model_dir = tmp_path_factory.mktemp("tp_moe")
+    write_with_mtp(model_dir, agreeing=True, **MOE)
+    return model_dir
+
+
+CHECKPOINTS = {"demo": lambda _: DEMO_MODEL, "tiny_llama": _tiny, "deepseek_mla": _deepseek_mla,
+               "deepseek_moe": _deepseek_moe}
 
 
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
@@ -128,6 +144,9 @@ def test_each_rank_holds_half_of_the_sharded_parameters(group):
              if not (replicated_kv and k.endswith(("k_proj.weight", "k_proj.bias",
                                                     "v_proj.weight", "v_proj.bias")))}
     local, full = sharded_numel(shard, split)
+    experts = [m for m in shard.modules() if isinstance(m, LocalExperts)]
+    assert len(experts) == (1 if opts.model_dir.name.startswith("tp_moe") else 0)
+    assert all(m.gate_up_proj.shape[0] == m.stop - m.start == 4 for m in experts)
     vocab_pad = cfg.vocab_size % 2 * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     assert 2 * local == full + vocab_pad  # rank 0 takes the larger vocab share
     target_bytes = sum(p.numel() for p in reference.target.parameters()) * 4

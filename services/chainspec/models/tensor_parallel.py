@@ -10,6 +10,8 @@ loader reads only that slice (`models/tp_loader.py`). The rules, per block:
 - MLA: by heads (q, kv_b column-parallel, o_proj row-parallel); the latent cache and
   the low-rank projections replicated;
 - dense MLP: gate/up column-parallel, down row-parallel;
+- MoE: experts split across the ranks (expert parallel), router replicated, shared
+  expert as a dense MLP;
 - one all-reduce per block (after o_proj, after down_proj), biases added once after it;
 - embedding vocab-parallel (rows [v0, v1) per rank, one all-reduce), LM head
   vocab-parallel with the logits all-gathered (every rank holds the full [T, vocab]).
@@ -30,8 +32,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from chainspec.kernels.fused_moe import fused_moe
 from chainspec.models.layers import MLP, Attention
 from chainspec.models.mla import LatentAttention
+from chainspec.models.moe import Experts, SparseMoE
 
 
 class TPError(ValueError):
@@ -125,6 +129,29 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class LocalExperts(nn.Module):
+    """Experts [start, stop) of a MoE layer (expert parallel): rows routed elsewhere get
+    weight 0 here. NOTE: they still pass through local expert 0 (the fused kernel's
+    reference takes no "none" id); the sum over ranks is exact either way."""
+
+    def __init__(self, start: int, stop: int, old: Experts) -> None:
+        super().__init__()
+        num, rows, hidden = old.gate_up_proj.shape
+        device = old.gate_up_proj.device
+        self.gate_up_proj = nn.Parameter(torch.empty(stop - start, rows, hidden, device=device))
+        self.down_proj = nn.Parameter(torch.empty(stop - start, hidden, rows // 2,
+                                                  device=device))
+        self.start, self.stop, self.limit = start, stop, old.limit
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+                ) -> torch.Tensor:
+        local = ids - self.start  # [T, k]
+        mine = (local >= 0) & (local < self.stop - self.start)
+        return fused_moe(x, self.gate_up_proj, self.down_proj,
+                         torch.where(mine, local, torch.zeros_like(local)),
+                         weights * mine.to(weights.dtype), self.limit)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, stop) of the embedding; ids outside embed to zero, then one sum."""
 
@@ -195,11 +222,19 @@ class Sharder:
         if old.bias is not None:
             self.shards[f"{prefix}{attr}.bias"] = Shard(0, start, stop, tuple(old.bias.shape))
 
-    def row(self, parent: nn.Module, attr: str, prefix: str, start: int, stop: int) -> None:
-        """Input columns [start, stop) of `parent.attr`, reduced over the group."""
+    def row(self, parent: nn.Module, attr: str, prefix: str, start: int, stop: int,
+            reduce: bool = True) -> None:
+        """Input columns [start, stop) of `parent.attr`, reduced over the group (`reduce`
+        False: a partial sum, reduced by the block that holds it)."""
         old: nn.Linear = getattr(parent, attr)
-        new = RowParallelLinear(stop - start, old.out_features, old.bias is not None,
-                                self.tp, old.weight.device)
+        if reduce:
+            new = RowParallelLinear(stop - start, old.out_features, old.bias is not None,
+                                    self.tp, old.weight.device)
+        else:
+            if old.bias is not None:
+                raise TPError(f"{prefix}{attr}: a partial row-parallel linear with a bias")
+            new = nn.Linear(stop - start, old.out_features, bias=False,
+                            device=old.weight.device)
         setattr(parent, attr, new)
         self.shards[f"{prefix}{attr}.weight"] = Shard(1, start, stop, tuple(old.weight.shape))
 
@@ -230,7 +265,7 @@ class Sharder:
         self.row(attn, "o_proj", prefix, h0 * s.v_head_dim, (h0 + per) * s.v_head_dim)
         attn.shape = dataclasses.replace(s, num_heads=per)
 
-    def mlp(self, mlp: MLP, prefix: str) -> None:
+    def mlp(self, mlp: MLP, prefix: str, reduce: bool = True) -> None:
         size = mlp.gate_proj.out_features
         if size % self.tp.world:
             raise TPError(f"tensor-parallel size {self.tp.world} does not divide the "
@@ -238,7 +273,30 @@ class Sharder:
         start, stop = even_split(size, self.tp.world, self.tp.rank)
         self.column(mlp, "gate_proj", prefix, start, stop)
         self.column(mlp, "up_proj", prefix, start, stop)
-        self.row(mlp, "down_proj", prefix, start, stop)
+        self.row(mlp, "down_proj", prefix, start, stop, reduce)
+
+    def moe(self, moe: SparseMoE, prefix: str) -> None:
+        """Experts split across the ranks (expert parallel), the router replicated (every
+        rank routes alike), a shared expert tensor-parallel; the block's partial sums
+        (routed and shared) meet in one all-reduce, a forward hook on the block."""
+        num, n = moe.cfg.router.num_experts, self.tp.world
+        if num % n:
+            raise TPError(f"tensor-parallel size {n} does not divide the {num} experts")
+        start, stop = even_split(num, n, self.tp.rank)
+        old = moe.experts
+        moe.experts = LocalExperts(start, stop, old)
+        for name in ("gate_up_proj", "down_proj"):
+            self.shards[f"{prefix}experts.{name}"] = Shard(
+                0, start, stop, tuple(getattr(old, name).shape))
+        shared = getattr(moe, moe.cfg.shared_name, None) if moe.cfg.shared_intermediate_size \
+            else None
+        if shared is not None:
+            if not isinstance(shared, MLP):
+                raise TPError(f"{prefix}{moe.cfg.shared_name}: no tensor-parallel rule for "
+                              f"{type(shared).__name__} yet")
+            self.mlp(shared, f"{prefix}{moe.cfg.shared_name}.", reduce=False)
+        tp = self.tp
+        moe.register_forward_hook(lambda _m, _i, out: tp.all_reduce(out))
 
     def block(self, layer: nn.Module, prefix: str) -> None:
         """A decoder layer: its attention kind and its MLP kind, each by its rule."""
@@ -249,6 +307,8 @@ class Sharder:
                 self.latent(child, f"{prefix}{name}.")
             elif isinstance(child, MLP):
                 self.mlp(child, f"{prefix}{name}.")
+            elif isinstance(child, SparseMoE):
+                self.moe(child, f"{prefix}{name}.")
             elif any(True for _ in child.parameters()) and not _replicated(child):
                 raise TPError(f"{prefix}{name}: no tensor-parallel rule for "
                               f"{type(child).__name__} yet")

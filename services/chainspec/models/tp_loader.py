@@ -9,16 +9,20 @@ leftovers in the part of the checkpoint the target owns.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
+from chainspec.models import moe
 from chainspec.models.adapters import adapter_for
 from chainspec.models.checkpoint import CheckpointFiles
 from chainspec.models.config import ModelConfig, read_hf_config
+from chainspec.models.errors import CheckpointError
 from chainspec.models.loader import _assign, _check_unexpected, _parse_config, _unread
 from chainspec.models.target import TargetModel
 from chainspec.models.tensor_parallel import (
+    Shard,
     TPGroup,
     check_divides,
     empty_weights,
@@ -52,12 +56,35 @@ def load_target_shard(model_dir: str | Path, tp: TPGroup, dtype: torch.dtype = t
     with CheckpointFiles(model_dir) as files:
         owned = {n for n in files.names() if adapter and adapter.owns(n, cfg.num_layers)}
         _check_unexpected(files, known | owned | _unread(files, model.family.unread))
+        present = files.names()
         for key, name in names.items():
-            shard = shards.get(key)
-            tensor = (files.read_part(name, shard.full, shard.dim, shard.start, shard.stop)
-                      if shard else files.read(name, tuple(expected[key].shape)))
+            tensor = _read(files, name, shards.get(key), tuple(expected[key].shape), present)
             read += tensor.numel() * tensor.element_size()
-            state[key] = tensor.to(device=device, dtype=dtype)
+            keep = key.endswith(moe.FP32_SUFFIXES)  # e.g. the router's correction bias
+            state[key] = tensor.to(device=device, dtype=torch.float32 if keep else dtype)
     _assign(model, state, model.model.embed_tokens if cfg.tie_word_embeddings else None)
     model.tp_shards, model.tp_bytes_read = shards, read
     return model
+
+
+def _read(files: CheckpointFiles, name: str, shard: Shard | None, shape: tuple[int, ...],
+          present: set[str]) -> torch.Tensor:
+    """The rank's part of one parameter. Stacked experts stored per expert (or as
+    stacked halves, `models/moe.py`) read only the rank's experts."""
+    if shard is None:
+        return files.read(name, shape)
+    try:
+        parts = moe.expert_parts(name, shard.full, present)
+    except CheckpointError as e:
+        raise CheckpointError(f"{files.model_dir}: {e}") from e
+    if parts is None:
+        return files.read_part(name, shard.full, shard.dim, shard.start, shard.stop)
+    if shard.dim != 0:
+        raise CheckpointError(f"{name}: experts split along dim {shard.dim}")
+    num, rows, cols = shard.full
+    if parts.halves:  # [E, I, H] per half: the rank's experts of each
+        return torch.cat([files.read_part(n, (num, rows // 2, cols), 0, shard.start,
+                                          shard.stop) for n in parts.per_expert[0]], dim=1)
+    mine = dataclasses.replace(parts, shape=(shard.stop - shard.start, rows, cols),
+                               per_expert=parts.per_expert[shard.start:shard.stop])
+    return mine.read(files.read)
