@@ -24,6 +24,7 @@ from chainspec.engine.runner import merged_stats, run_to_completion
 from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.tp_launch import start_local_group
 from chainspec.models.attention import DenseCausal
+from chainspec.models.cache_spec import PagedSpec, StateSpec
 from chainspec.models.config import ModelConfig
 from chainspec.models.tensor_parallel import (
     LocalExperts,
@@ -34,6 +35,7 @@ from chainspec.models.tensor_parallel import (
 )
 from tests.unit.checkpoints import demo_checkpoint
 from tests.unit.families.deepseek_v3_checkpoint import MOE, write_with_mtp
+from tests.unit.families.qwen3_5_checkpoint import write_checkpoint as write_qwen3_5
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[5, 9, 13, 2, 7, 30, 11], [3] * 21, [17, 4, 60, 8, 1, 12, 6, 45, 33, 2, 9]]
@@ -79,8 +81,20 @@ def _deepseek_moe(tmp_path_factory):
     return model_dir
 
 
+def _qwen3_5_gdn(tmp_path_factory):
+    """Qwen3.5: three Gated DeltaNet layers (2 key heads, 4 value heads) and one gated
+    full-attention layer (4 heads over 2 KV heads)."""
+    model_dir = tmp_path_factory.mktemp("tp_gdn")
+    write_qwen3_5(model_dir)
+    return model_dir
+
+
 CHECKPOINTS = {"demo": lambda _: DEMO_MODEL, "tiny_llama": _tiny, "deepseek_mla": _deepseek_mla,
-               "deepseek_moe": _deepseek_moe}
+               "deepseek_moe": _deepseek_moe, "qwen3_5_gdn": _qwen3_5_gdn}
+
+
+def _first_paged(specs) -> PagedSpec:
+    return next(s for s in specs if isinstance(s, PagedSpec))
 
 
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
@@ -125,9 +139,12 @@ def test_greedy_and_speculative_equal_tp1(group):
     engine = build_verifier_engine(leader, opts1, None)
     engine.config = dataclasses.replace(engine.config, prefill_chunk=8)
     assert _generate(engine, PROMPTS) == plain
-    spec = reference.target.cache_specs()[0]  # TP=1's
+    spec = _first_paged(reference.target.cache_specs())  # TP=1's
     local = 1 if spec.latent or spec.num_kv_heads < 2 else spec.num_kv_heads // 2
     assert engine.cache.keys[0].shape[2] == local  # the cache holds this rank's heads
+    for full, mine in zip(reference.target.cache_specs(), leader.cache_specs(), strict=True):
+        if isinstance(full, StateSpec):  # GDN: conv channels and value heads halved
+            assert [s[0] * 2 for s in mine.shapes] == [s[0] for s in full.shapes]
     for k in (1, 3):
         spec_opts = dataclasses.replace(opts1, num_steps=k)
         spec = build_verifier(tp_models, spec_opts, speculative=True)
@@ -139,7 +156,7 @@ def test_each_rank_holds_half_of_the_sharded_parameters(group):
     opts, reference, leader = group
     shard = leader.shard
     cfg = reference.target.config
-    replicated_kv = reference.target.cache_specs()[0].num_kv_heads < 2
+    replicated_kv = _first_paged(reference.target.cache_specs()).num_kv_heads < 2
     split = {k: s for k, s in shard.tp_shards.items()
              if not (replicated_kv and k.endswith(("k_proj.weight", "k_proj.bias",
                                                     "v_proj.weight", "v_proj.bias")))}

@@ -9,6 +9,7 @@ loader reads only that slice (`models/tp_loader.py`). The rules, per block:
   cache spec then reports its local heads, so the KV cache is sharded by heads;
 - MLA: by heads (q, kv_b column-parallel, o_proj row-parallel); the latent cache and
   the low-rank projections replicated;
+- Gated DeltaNet: by key heads (with their value heads); the recurrent state is local;
 - dense MLP: gate/up column-parallel, down row-parallel;
 - MoE: experts split across the ranks (expert parallel), router replicated, shared
   expert as a dense MLP;
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from chainspec.kernels.fused_moe import fused_moe
+from chainspec.models.gated_deltanet import GatedDeltaNet
 from chainspec.models.layers import MLP, Attention
 from chainspec.models.mla import LatentAttention
 from chainspec.models.moe import Experts, SparseMoE
@@ -82,12 +84,19 @@ class TPGroup:
 
 @dataclass(frozen=True)
 class Shard:
-    """Rows/columns [start, stop) along `dim` of a checkpoint tensor of shape `full`."""
+    """Rows/columns [start, stop) along `dim` of a checkpoint tensor of shape `full`;
+    with `more`, the rank's part is those ranges too, concatenated after it along `dim`
+    (GDN's [q | k | v] projection: the rank's heads of each)."""
 
     dim: int
     start: int
     stop: int
     full: tuple[int, ...]
+    more: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return ((self.start, self.stop), *self.more)
 
 
 @contextlib.contextmanager
@@ -211,16 +220,58 @@ class Sharder:
         self.tp = tp
         self.shards: dict[str, Shard] = {}
 
-    def column(self, parent: nn.Module, attr: str, prefix: str, start: int, stop: int
-               ) -> None:
-        """Output rows [start, stop) of `parent.attr` (weight and bias)."""
+    def column(self, parent: nn.Module, attr: str, prefix: str, start: int, stop: int,
+               more: tuple[tuple[int, int], ...] = ()) -> None:
+        """Output rows [start, stop) (and `more` ranges) of `parent.attr`."""
         old: nn.Linear = getattr(parent, attr)
-        new = nn.Linear(old.in_features, stop - start, bias=old.bias is not None,
+        rows = stop - start + sum(b - a for a, b in more)
+        new = nn.Linear(old.in_features, rows, bias=old.bias is not None,
                         device=old.weight.device)
         setattr(parent, attr, new)
-        self.shards[f"{prefix}{attr}.weight"] = Shard(0, start, stop, tuple(old.weight.shape))
+        self.shards[f"{prefix}{attr}.weight"] = Shard(0, start, stop, tuple(old.weight.shape),
+                                                      more)
         if old.bias is not None:
-            self.shards[f"{prefix}{attr}.bias"] = Shard(0, start, stop, tuple(old.bias.shape))
+            self.shards[f"{prefix}{attr}.bias"] = Shard(0, start, stop, tuple(old.bias.shape),
+                                                        more)
+
+    def vector(self, parent: nn.Module, attr: str, prefix: str, start: int, stop: int
+               ) -> None:
+        """Entries [start, stop) of a 1-D parameter (per-head constants)."""
+        old: nn.Parameter = getattr(parent, attr)
+        setattr(parent, attr, nn.Parameter(torch.empty(stop - start, device=old.device)))
+        self.shards[f"{prefix}{attr}"] = Shard(0, start, stop, tuple(old.shape))
+
+    def gated_deltanet(self, gdn: GatedDeltaNet, prefix: str) -> None:
+        """GDN by key heads (each with its Hv/Hk value heads): the rank's q, k and v
+        rows of in_proj_qkv and of the depthwise conv, its value heads of z, b, a, dt_bias
+        and A_log, out_proj row-parallel; the gated norm (over the head dim) replicated.
+        Its recurrent state then holds the local heads only."""
+        if type(gdn).make_projections is not GatedDeltaNet.make_projections:
+            raise TPError(f"{prefix.rstrip('.')}: no tensor-parallel rule for the fused "
+                          f"projections of {type(gdn).__name__} yet")
+        s, n = gdn.shape, self.tp.world
+        if s.num_k_heads % n:
+            raise TPError(f"tensor-parallel size {n} does not divide the {s.num_k_heads} "
+                          f"linear-attention key heads")
+        nk, nv = s.num_k_heads // n, s.num_v_heads // n
+        k0, v0 = self.tp.rank * nk, self.tp.rank * nv
+        dk, dv = s.k_head_dim, s.v_head_dim
+        q_rows = (k0 * dk, (k0 + nk) * dk)
+        more = ((s.key_dim + k0 * dk, s.key_dim + (k0 + nk) * dk),
+                (2 * s.key_dim + v0 * dv, 2 * s.key_dim + (v0 + nv) * dv))
+        self.column(gdn, "in_proj_qkv", prefix, *q_rows, more)
+        self.column(gdn, "in_proj_z", prefix, v0 * dv, (v0 + nv) * dv)
+        self.column(gdn, "in_proj_b", prefix, v0, v0 + nv)
+        self.column(gdn, "in_proj_a", prefix, v0, v0 + nv)
+        self.vector(gdn, "dt_bias", prefix, v0, v0 + nv)
+        self.vector(gdn, "A_log", prefix, v0, v0 + nv)
+        self.row(gdn, "out_proj", prefix, v0 * dv, (v0 + nv) * dv)
+        old = gdn.conv1d
+        local = 2 * nk * dk + nv * dv
+        gdn.conv1d = nn.Conv1d(local, local, s.conv_kernel, bias=False, groups=local,
+                               padding=s.conv_kernel - 1, device=old.weight.device)
+        self.shards[f"{prefix}conv1d.weight"] = Shard(0, *q_rows, tuple(old.weight.shape), more)
+        gdn.shape = dataclasses.replace(s, num_k_heads=nk, num_v_heads=nv)
 
     def row(self, parent: nn.Module, attr: str, prefix: str, start: int, stop: int,
             reduce: bool = True) -> None:
@@ -303,6 +354,8 @@ class Sharder:
         for name, child in layer.named_children():
             if isinstance(child, Attention):
                 self.attention(child, f"{prefix}{name}.")
+            elif isinstance(child, GatedDeltaNet):
+                self.gated_deltanet(child, f"{prefix}{name}.")
             elif isinstance(child, LatentAttention):
                 self.latent(child, f"{prefix}{name}.")
             elif isinstance(child, MLP):

@@ -78,7 +78,8 @@ def _read(files: CheckpointFiles, name: str, shard: Shard | None, shape: tuple[i
     except CheckpointError as e:
         raise CheckpointError(f"{files.model_dir}: {e}") from e
     if parts is None:
-        return files.read_part(name, shard.full, shard.dim, shard.start, shard.stop)
+        return torch.cat([files.read_part(name, shard.full, shard.dim, a, b)
+                          for a, b in shard.ranges], dim=shard.dim)
     if shard.dim != 0:
         raise CheckpointError(f"{name}: experts split along dim {shard.dim}")
     num, rows, cols = shard.full
