@@ -35,6 +35,7 @@ from chainspec.models.tensor_parallel import (
 )
 from tests.unit.checkpoints import demo_checkpoint
 from tests.unit.families.deepseek_v3_checkpoint import MOE, write_with_mtp
+from tests.unit.families.mimo_v2_flash_checkpoint import write_checkpoint as write_mimo_v2
 from tests.unit.families.qwen3_5_checkpoint import write_checkpoint as write_qwen3_5
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -89,8 +90,17 @@ def _qwen3_5_gdn(tmp_path_factory):
     return model_dir
 
 
+def _mimo_sliding(tmp_path_factory):
+    """MiMo-V2-Flash: full layers (1 KV head: replicated) and sliding-window layers
+    (window 8, 2 KV heads, attention sinks; values of their own width)."""
+    model_dir = tmp_path_factory.mktemp("tp_sliding")
+    write_mimo_v2(model_dir)
+    return model_dir
+
+
 CHECKPOINTS = {"demo": lambda _: DEMO_MODEL, "tiny_llama": _tiny, "deepseek_mla": _deepseek_mla,
-               "deepseek_moe": _deepseek_moe, "qwen3_5_gdn": _qwen3_5_gdn}
+               "deepseek_moe": _deepseek_moe, "qwen3_5_gdn": _qwen3_5_gdn,
+               "mimo_v2_sliding": _mimo_sliding}
 
 
 def _first_paged(specs) -> PagedSpec:
@@ -149,7 +159,9 @@ def test_greedy_and_speculative_equal_tp1(group):
         spec_opts = dataclasses.replace(opts1, num_steps=k)
         spec = build_verifier(tp_models, spec_opts, speculative=True)
         assert _generate(spec, PROMPTS) == plain
-        assert _generate.accepted > 0  # drafts were at stake (demo, MLA: 18-37 accepted)
+        accepted = _generate.accepted
+        _generate(build_verifier(reference, spec_opts, speculative=True), PROMPTS)
+        assert accepted == _generate.accepted  # TP=1's verdicts, draft for draft
 
 
 def test_each_rank_holds_half_of_the_sharded_parameters(group):

@@ -7,6 +7,7 @@ loader reads only that slice (`models/tp_loader.py`). The rules, per block:
 - attention (GQA): q/k/v column-parallel by heads, o_proj row-parallel; KV heads split,
   or replicated (one per rank) when there are fewer KV heads than ranks. Each layer's
   cache spec then reports its local heads, so the KV cache is sharded by heads;
+- sliding / head-gated attention: as GQA, plus sink logits and head gates by heads;
 - MLA: by heads (q, kv_b column-parallel, o_proj row-parallel); the latent cache and
   the low-rank projections replicated;
 - Gated DeltaNet: by key heads (with their value heads); the recurrent state is local;
@@ -38,6 +39,7 @@ from chainspec.models.gated_deltanet import GatedDeltaNet
 from chainspec.models.layers import MLP, Attention
 from chainspec.models.mla import LatentAttention
 from chainspec.models.moe import Experts, SparseMoE
+from chainspec.models.sliding_attention import SlidingAttention
 
 
 class TPError(ValueError):
@@ -299,6 +301,24 @@ class Sharder:
         self.row(attn, "o_proj", prefix, q0 * d, (q0 + nq) * d)
         attn.num_heads, attn.num_kv_heads = nq, nk
 
+    def sliding(self, attn: SlidingAttention, prefix: str) -> None:
+        """The sliding kind (and head_gated, its subclass) by heads as GQA: q/k/v
+        column-parallel (values of their own width), o_proj row-parallel, sink logits and
+        the head gate (`g_proj`, one row per query head) split by query heads; q/k norms
+        (over the head dim) replicated. The window is each layer's own, unchanged."""
+        s = attn.shape
+        q0, nq, k0, nk = head_split(s.num_heads, s.num_kv_heads, self.tp)
+        dk, dv = s.head_dim, s.v_head_dim
+        self.column(attn, "q_proj", prefix, q0 * dk, (q0 + nq) * dk)
+        self.column(attn, "k_proj", prefix, k0 * dk, (k0 + nk) * dk)
+        self.column(attn, "v_proj", prefix, k0 * dv, (k0 + nk) * dv)
+        self.row(attn, "o_proj", prefix, q0 * dv, (q0 + nq) * dv)
+        if s.sinks:
+            self.vector(attn, "attention_sink_bias", prefix, q0, q0 + nq)
+        if getattr(attn, "head_gate", False):
+            self.column(attn, "g_proj", prefix, q0, q0 + nq)
+        attn.shape = dataclasses.replace(s, num_heads=nq, num_kv_heads=nk)
+
     def latent(self, attn: LatentAttention, prefix: str) -> None:
         """MLA by heads: q (q_proj or q_b_proj) and kv_b_proj column-parallel, o_proj
         row-parallel; the low-rank q_a / kv_a projections and the latent cache (one
@@ -356,6 +376,8 @@ class Sharder:
                 self.attention(child, f"{prefix}{name}.")
             elif isinstance(child, GatedDeltaNet):
                 self.gated_deltanet(child, f"{prefix}{name}.")
+            elif isinstance(child, SlidingAttention):
+                self.sliding(child, f"{prefix}{name}.")
             elif isinstance(child, LatentAttention):
                 self.latent(child, f"{prefix}{name}.")
             elif isinstance(child, MLP):
