@@ -9,6 +9,8 @@ import pytest
 from tests.helm.commands import Invocation, dry_run, invocations, sandbox
 from tests.helm.render import of_kind, pod_templates, render
 
+CHART_CONTAINERS = {"ray-head", "ray-worker", "gateway"}  # the chart's own containers
+
 
 @dataclass(frozen=True)
 class Run:
@@ -51,6 +53,8 @@ def _boot(case: str, root) -> Booted:
             for i, c in enumerate(containers):
                 if pt.ray and c is pt.spec["containers"][0]:
                     continue  # KubeRay's `ray start` (checked in test_wiring)
+                if c["name"] not in CHART_CONTAINERS:
+                    continue  # the values' own initContainers and sidecars
                 for n, inv in enumerate(invocations(c)):
                     argv = sandbox(pt.spec, c, configmaps, root / f"{c['name']}-{i}-{n}",
                                    inv.argv)

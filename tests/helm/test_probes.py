@@ -80,9 +80,11 @@ def test_mtls_without_probes_renders_no_probes_and_no_drafter_client_secret():
     for role in ROLES:
         _, c = _container(docs, role)
         assert not set(PROBES) & set(c), role
-    drafter = {m["name"] for m in _container(docs, "drafter")[1]["volumeMounts"]}
+    drafter = {m["name"] for m in _container(docs, "drafter")[1]["volumeMounts"]
+               if m["name"].startswith("tls-")}
     assert drafter == {"tls-server"}, "a drafter needs the client pair only to probe itself"
-    probed = {m["name"] for m in _container(template(*tls), "drafter")[1]["volumeMounts"]}
+    probed = {m["name"] for m in _container(template(*tls), "drafter")[1]["volumeMounts"]
+              if m["name"].startswith("tls-")}
     assert probed == {"tls-server", "tls-client"}
 
 

@@ -100,6 +100,25 @@ def test_kuberay_go_rules(case):
             assert autoscaling, f"{g['groupName']}: no replicas without the autoscaler"
     for group_name, g in _groups(cluster):
         _check_group_resources(group_name, g, autoscaling)
+    _check_gcs_fault_tolerance(cluster)
+
+
+def _check_gcs_fault_tolerance(cluster: dict) -> None:
+    """KubeRay refuses the FT annotation beside gcsFaultToleranceOptions, and with them a
+    redis-password/redis-username start param or RAY_REDIS_ADDRESS/REDIS_PASSWORD in the
+    head's env; RAY_REDIS_ADDRESS without them is refused too."""
+    spec = cluster["spec"]
+    head = spec["headGroupSpec"]
+    env = {e["name"] for e in head["template"]["spec"]["containers"][0].get("env", [])}
+    annotations = cluster["metadata"].get("annotations", {})
+    assert "redis-username" not in head.get("rayStartParams", {})
+    if "gcsFaultToleranceOptions" not in spec:
+        assert "RAY_REDIS_ADDRESS" not in env
+        return
+    assert "ray.io/ft-enabled" not in annotations
+    assert "ray.io/external-storage-namespace" not in annotations
+    assert "redis-password" not in head.get("rayStartParams", {})
+    assert not env & {"RAY_REDIS_ADDRESS", "REDIS_PASSWORD"}
 
 
 def _check_group_resources(group_name: str, g: dict, autoscaling: bool) -> None:
@@ -111,6 +130,8 @@ def _check_group_resources(group_name: str, g: dict, autoscaling: bool) -> None:
     ray_container = spec["containers"][0]
     limits = ray_container.get("resources", {}).get("limits", {})
     for param, twin in CONTAINER_TWIN.items():
+        if param == "num-cpus" and params.get(param) == "0":
+            continue  # KubeRay's own pattern for a head that runs no workloads
         assert not (param in params and twin in limits), \
             f"{group_name}: {param} in rayStartParams and {twin} in the container's limits"
     if autoscaling:

@@ -232,6 +232,7 @@ extras. (dict "ctx" $ "block" .Values.x "server" bool "client" bool) */}}
 {{- define "chainspec.volumes" -}}
 {{- include "chainspec.modelVolume" .ctx -}}
 {{- include "chainspec.tlsVolumes" . -}}
+{{- include "chainspec.shmVolume" .block -}}
 {{- with .block.extraVolumes }}
 {{ toYaml . }}
 {{- end -}}
@@ -240,6 +241,7 @@ extras. (dict "ctx" $ "block" .Values.x "server" bool "client" bool) */}}
 {{- define "chainspec.volumeMounts" -}}
 {{- include "chainspec.modelMount" .ctx -}}
 {{- include "chainspec.tlsMounts" . -}}
+{{- include "chainspec.shmMount" .block -}}
 {{- with .block.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end -}}

@@ -31,7 +31,8 @@ their value blocks mean the same thing. Call with (dict "ctx" $ "role" "drafter"
   idleTimeoutSeconds: {{ $v.idleTimeoutSeconds }}
   {{- end }}
   rayStartParams:
-    resources: {{ include "chainspec.rayResources" (dict $v.rayResource (include "chainspec.actorUnits" $ | int)) | squote }}
+    {{- $own := dict "resources" (include "chainspec.rayResources" (dict $v.rayResource (include "chainspec.actorUnits" $ | int))) }}
+    {{- include "chainspec.rayStartParams" (dict "role" $role "own" $own "block" $v) | nindent 4 }}
   template:
     metadata:
       labels:
@@ -66,6 +67,9 @@ their value blocks mean the same thing. Call with (dict "ctx" $ "role" "drafter"
       {{- with $v.affinity }}
       affinity:
         {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with include "chainspec.podOptions" $v | trim }}
+      {{- . | nindent 6 }}
       {{- end }}
       containers:
         # KubeRay runs `ray start` in this container; the role's actor (with the gRPC
@@ -107,8 +111,24 @@ their value blocks mean the same thing. Call with (dict "ctx" $ "role" "drafter"
             failureThreshold: 6
           {{- end }}
           {{- end }}
-          {{- with $v.env }}
+          {{- if $v.drainOnStop }}
+          {{- if le (int $v.terminationGracePeriodSeconds) (int $.Values.stack.drainTimeoutSeconds) }}
+          {{- fail (printf "%s.terminationGracePeriodSeconds (%d) must exceed stack.drainTimeoutSeconds (%d): the preStop drain runs within it" $role (int $v.terminationGracePeriodSeconds) (int $.Values.stack.drainTimeoutSeconds)) }}
+          {{- end }}
+          lifecycle:
+            {{- include "chainspec.drainHook" (dict "ctx" $ "role" $role) | nindent 12 }}
+          {{- end }}
           env:
+            # the preStop drain finds this pod's member by its node IP
+            - name: CHAINSPEC_NODE_IP
+              valueFrom:
+                fieldRef:
+                  fieldPath: status.podIP
+            {{- with $v.env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          {{- with $v.envFrom }}
+          envFrom:
             {{- toYaml . | nindent 12 }}
           {{- end }}
           {{- /* verifiers call drafters; an mTLS probe calls its own pod's service */}}
@@ -118,6 +138,9 @@ their value blocks mean the same thing. Call with (dict "ctx" $ "role" "drafter"
           volumeMounts:
             {{- . | nindent 12 }}
           {{- end }}
+        {{- with $v.sidecars }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
       {{- with include "chainspec.volumes" $io | trim }}
       volumes:
         {{- . | nindent 8 }}
