@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import socket
 from collections.abc import Callable
 from datetime import timedelta
@@ -57,18 +58,32 @@ class GroupAddress:
 
 
 class Channel:
-    """Rank 0's commands to the other ranks (pickled host objects, one broadcast)."""
+    """Rank 0's commands to the other ranks: a pickled host object, broadcast as its
+    length and its bytes. Rank 0's sends time out after the step timeout (a hung peer
+    fails the step); the others' waits for the next command after the idle timeout."""
 
-    def __init__(self, tp: TPGroup, group) -> None:
+    def __init__(self, tp: TPGroup, group, send_timeout_s: float) -> None:
         self.tp, self.group = tp, group
+        self.send_timeout = timedelta(seconds=send_timeout_s)
+
+    def _broadcast(self, t: torch.Tensor, timeout: timedelta | None) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        if timeout is not None:
+            opts.timeout = timeout
+        self.group.broadcast([t], opts).wait()
 
     def send(self, msg: tuple) -> None:
-        dist.broadcast_object_list([msg], src=0, group=self.group)
+        data = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)
+        self._broadcast(torch.tensor([data.numel()], dtype=torch.int64), self.send_timeout)
+        self._broadcast(data, self.send_timeout)
 
     def recv(self) -> tuple:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        size = torch.zeros(1, dtype=torch.int64)
+        self._broadcast(size, None)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        self._broadcast(data, self.send_timeout)
+        return pickle.loads(data.numpy().tobytes())
 
 
 def join(address: GroupAddress, rank: int) -> tuple[TPGroup, Channel]:
@@ -79,7 +94,7 @@ def join(address: GroupAddress, rank: int) -> tuple[TPGroup, Channel]:
     commands = dist.new_group(backend="gloo",
                               timeout=timedelta(seconds=address.idle_timeout_s))
     tp = TPGroup(rank, address.world)
-    return tp, Channel(tp, commands)
+    return tp, Channel(tp, commands, address.collective_timeout_s)
 
 
 def leave() -> None:

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import torch
 
-from chainspec.engine.tp_group import GroupAddress, TPLeader, follow, join, leave, one_thread
+from chainspec.engine.tp_group import (
+    COLLECTIVE_TIMEOUT_S,
+    GroupAddress,
+    TPLeader,
+    follow,
+    join,
+    leave,
+    one_thread,
+)
 from chainspec.models.config import ModelConfig, read_hf_config
 from chainspec.models.tensor_parallel import TPError, check_divides
 from chainspec.models.tp_loader import load_target_shard
@@ -57,6 +65,8 @@ class LocalGroup:
     def close(self) -> None:
         try:
             self.leader.close()
+        except RuntimeError:  # a rank is gone: nothing to tell it
+            pass
         finally:
             for p in self.processes:
                 p.join(JOIN_TIMEOUT_S)
@@ -66,15 +76,17 @@ class LocalGroup:
 
 
 def start_local_group(model_dir: str | Path, world: int, dtype: torch.dtype = torch.float32,
-                      device: str = "cpu", cache_len: int | None = None) -> LocalGroup:
+                      device: str = "cpu", cache_len: int | None = None,
+                      collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> LocalGroup:
     """Ranks 1..world-1 in spawned processes, rank 0 here; returns once every rank has
-    loaded its shard (the first collective waits for all)."""
+    joined. A step whose peer is lost raises (RuntimeError) within the timeout."""
     source = ShardSource(str(model_dir), dtype, device, cache_len)
     try:  # before spawning anything
         check_divides(ModelConfig.from_hf(read_hf_config(model_dir)), world)
     except TPError as e:
         raise TPError(f"{model_dir}: {e}") from None
-    address = GroupAddress.local(world, "nccl" if device == "cuda" else "gloo")
+    address = GroupAddress.local(world, "nccl" if device == "cuda" else "gloo",
+                                 collective_timeout_s=collective_timeout_s)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(address, r, source), daemon=True)
              for r in range(1, world)]
