@@ -27,12 +27,23 @@ from tokenizers import Tokenizer
 
 from tests.integration.tiny_checkpoint import write_tokenizer
 from tests.unit.families import deepseek_v3_checkpoint as deepseek
+from tests.unit.families import glm4_moe_lite_checkpoint as glm_lite
 from tests.unit.families import mimo_v2_flash_checkpoint as mimo
 from tests.unit.families import qwen3_5_checkpoint as qwen
 from tests.unit.families import qwen3_next_checkpoint as qwen_moe
 
 FAMILIES = ("qwen3_5", "deepseek_v3", "mimo_v2_flash", "qwen3_next", "qwen3_5_moe")
 QUIET = 0.05
+# MLA + MoE targets with MoE MTP layers, served only (test_family_serve.py): agreeing
+# drafters, routed scaling 1 so the MoE layers do not drown the last token
+MOE_MLA = {
+    "deepseek_v3_moe": lambda path, seed, **shape: deepseek.write_with_mtp(
+        path, seed=seed, agreeing=True, **{**deepseek.MOE, "routed_scaling_factor": 1.0},
+        **shape),
+    "glm4_moe_lite": lambda path, seed, **shape: glm_lite.write_with_mtp(
+        path, seed=seed + 2, agreeing=True, routed_scaling_factor=1.0, **shape),
+}
+SERVED = (*FAMILIES, *MOE_MLA)
 RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj.weight", "out_proj.weight",
                     "experts.down_proj")  # stacked experts: [E, H, I]
 ZERO_CENTRED = ("qwen3_5", "qwen3_next", "qwen3_5_moe")  # norms scale by (1 + w)
@@ -88,6 +99,10 @@ def write_family(path: Path, family: str, mtp: bool = True, seed: int = 0) -> Pa
             deepseek.write_with_mtp(path, seed=seed, agreeing=True, **shape)
         else:
             deepseek.write_target(path, seed, QUIET, num_nextn_predict_layers=0, **shape)
+        return path
+    if family in MOE_MLA:
+        assert mtp, f"{family}: served with its native MTP layers only"
+        MOE_MLA[family](path, seed, **shape)
         return path
     builder = QWEN_MOE.get(family) or (qwen if family == "qwen3_5" else mimo)
     extra = {"mtp_num_hidden_layers": 1} if family in ZERO_CENTRED and mtp else {}
