@@ -185,6 +185,47 @@ class TPLeader(nn.Module):
         self.channel.send(("stop",))
 
 
+class DraftLeader(nn.Module):
+    """Rank 0's MTP drafter: its shard, with each draft step and head call mirrored (the
+    step's tokens, input states, positions and AttnBatch). `next_input` is local: every
+    rank holds the replicated norms, and the next step's message carries its input."""
+
+    def __init__(self, shard: nn.Module, channel: Channel) -> None:
+        super().__init__()
+        self.shard = shard
+        self.channel = channel
+        self.config, self.glue = shard.config, shard.glue
+        self._cache: ModelKVCache | None = None
+
+    @property
+    def tp(self) -> TPGroup:
+        return self.shard.tp
+
+    def cache_specs(self, num_steps: int):
+        return self.shard.cache_specs(num_steps)
+
+    def next_input(self, step: int, g: torch.Tensor, h: torch.Tensor, chain: bool = True
+                   ) -> torch.Tensor:
+        return self.shard.next_input(step, g, h, chain)
+
+    def step(self, step: int, tokens: torch.Tensor, prev: torch.Tensor,
+             positions: torch.Tensor, backend: PagedAttention) -> torch.Tensor:
+        if backend.cache is not self._cache:
+            self._cache = backend.cache
+            self.channel.send(("cache", cache_geometry(backend.cache),
+                               backend.cache.num_layers))
+        self.channel.send(("draft_step", step, _host(tokens), _host(prev), _host(positions),
+                           _batch_to(backend.batch, _host), backend.scale))
+        return self.shard.step(step, tokens, prev, positions, backend)
+
+    def logits(self, step: int, g: torch.Tensor) -> torch.Tensor:
+        self.channel.send(("draft_logits", step, _host(g)))
+        return self.shard.logits(step, g)
+
+    def close(self) -> None:
+        self.channel.send(("stop",))
+
+
 def follow(shard: nn.Module, channel: Channel, device: torch.device | str = "cpu") -> int:
     """A rank > 0: run rank 0's calls on this shard until it says stop; returns the
     number of forwards run."""
@@ -199,8 +240,9 @@ def follow(shard: nn.Module, channel: Channel, device: torch.device | str = "cpu
             kind = msg[0]
             if kind == "stop":
                 return forwards
-            if kind == "cache":
-                cache = ModelKVCache(shard.cache_specs(), device=device, **msg[1])
+            if kind == "cache":  # a drafter's says its steps (one KV layer each)
+                specs = shard.cache_specs(*msg[2:])
+                cache = ModelKVCache(specs, device=device, **msg[1])
             elif kind == "paged":
                 _, ids, batch, scale = msg
                 batch = _batch_to(batch, move)
@@ -212,6 +254,13 @@ def follow(shard: nn.Module, channel: Channel, device: torch.device | str = "cpu
                 forwards += 1
             elif kind == "logits":
                 shard.logits(move(msg[1]))
+            elif kind == "draft_step":
+                _, step, tokens, prev, positions, batch, scale = msg
+                shard.step(step, move(tokens), move(prev), move(positions),
+                           PagedAttention(cache, _batch_to(batch, move), scale))
+                forwards += 1
+            elif kind == "draft_logits":
+                shard.logits(msg[1], move(msg[2]))
             elif kind != "ping":
                 raise ValueError(f"unknown tensor-parallel command {kind!r}")
 

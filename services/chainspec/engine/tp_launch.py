@@ -15,6 +15,7 @@ import torch
 
 from chainspec.engine.tp_group import (
     COLLECTIVE_TIMEOUT_S,
+    DraftLeader,
     GroupAddress,
     TPLeader,
     follow,
@@ -24,7 +25,7 @@ from chainspec.engine.tp_group import (
 )
 from chainspec.models.config import ModelConfig, read_hf_config
 from chainspec.models.tensor_parallel import TPError, check_divides
-from chainspec.models.tp_loader import load_target_shard
+from chainspec.models.tp_loader import load_draft_shard, load_target_shard
 
 JOIN_TIMEOUT_S = 30.0
 
@@ -37,13 +38,15 @@ class ShardSource:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"  # "cuda": rank r on cuda:r
     cache_len: int | None = None
+    draft: bool = False  # the MTP drafter's shard, not the target's
 
     def device_of(self, rank: int) -> str:
         return f"cuda:{rank}" if self.device == "cuda" else self.device
 
     def load(self, tp) -> torch.nn.Module:
-        return load_target_shard(self.model_dir, tp, self.dtype, self.device_of(tp.rank),
-                                 self.cache_len).eval()
+        load = load_draft_shard if self.draft else load_target_shard
+        return load(self.model_dir, tp, self.dtype, self.device_of(tp.rank),
+                    cache_len=self.cache_len).eval()
 
 
 def _rank_main(address: GroupAddress, rank: int, source: ShardSource) -> None:
@@ -59,7 +62,7 @@ def _rank_main(address: GroupAddress, rank: int, source: ShardSource) -> None:
 class LocalGroup:
     """Rank 0's handle on a group started by `start_local_group`."""
 
-    leader: TPLeader
+    leader: TPLeader | DraftLeader
     processes: list = field(default_factory=list)
 
     def close(self) -> None:
@@ -77,10 +80,12 @@ class LocalGroup:
 
 def start_local_group(model_dir: str | Path, world: int, dtype: torch.dtype = torch.float32,
                       device: str = "cpu", cache_len: int | None = None,
-                      collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> LocalGroup:
+                      collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+                      draft: bool = False) -> LocalGroup:
     """Ranks 1..world-1 in spawned processes, rank 0 here; returns once every rank has
-    joined. A step whose peer is lost raises (RuntimeError) within the timeout."""
-    source = ShardSource(str(model_dir), dtype, device, cache_len)
+    joined. A step whose peer is lost raises (RuntimeError) within the timeout. `draft`:
+    a group of the MTP drafter (rank 0 holds a `DraftLeader`)."""
+    source = ShardSource(str(model_dir), dtype, device, cache_len, draft)
     try:  # before spawning anything
         check_divides(ModelConfig.from_hf(read_hf_config(model_dir)), world)
     except TPError as e:
@@ -94,4 +99,5 @@ def start_local_group(model_dir: str | Path, world: int, dtype: torch.dtype = to
         p.start()
     one_thread()
     tp, channel = join(address, 0)
-    return LocalGroup(TPLeader(source.load(tp), channel), procs)
+    leader = (DraftLeader if draft else TPLeader)(source.load(tp), channel)
+    return LocalGroup(leader, procs)

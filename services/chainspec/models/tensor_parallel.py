@@ -421,6 +421,22 @@ def shard_target(model: nn.Module, tp: TPGroup) -> dict[str, Shard]:
     return sharder.shards
 
 
+def shard_draft(model: nn.Module, tp: TPGroup) -> dict[str, Shard]:
+    """The same transform for an `MTPDraftModel`: each module's decoder block by its
+    kinds' rules, the shared embedding and head vocab-parallel; the glue (enorm, hnorm,
+    eh_proj, final norm) replicated."""
+    sharder = Sharder(tp)
+    if model.glue.own_heads:
+        raise TPError("no tensor-parallel rule for MTP modules with their own heads yet")
+    for i, module in enumerate(model.mtp):
+        sharder.block(module.block, f"mtp.{i}.block.")
+    model.embed_tokens, model.lm_head = sharder.vocab(
+        model.embed_tokens, model.lm_head, model.config.tie_word_embeddings,
+        "embed_tokens.weight", "lm_head.weight")
+    model.tp = tp
+    return sharder.shards
+
+
 def check_divides(cfg, world: int) -> None:
     """Raise TPError (one line) when `world` cannot shard a model of `cfg`: the config's
     heads, KV heads and intermediate size (before anything is loaded)."""

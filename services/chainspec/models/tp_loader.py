@@ -15,17 +15,28 @@ from pathlib import Path
 import torch
 
 from chainspec.models import moe
-from chainspec.models.adapters import adapter_for
+from chainspec.models.adapters import adapter_for, draft_config
 from chainspec.models.checkpoint import CheckpointFiles
 from chainspec.models.config import ModelConfig, read_hf_config
 from chainspec.models.errors import CheckpointError
-from chainspec.models.loader import _assign, _check_unexpected, _parse_config, _unread
+from chainspec.models.families.base import identity_name
+from chainspec.models.loader import (
+    _assign,
+    _check_unexpected,
+    _check_unexpected_mtp,
+    _family,
+    _module_count,
+    _parse_config,
+    _unread,
+)
+from chainspec.models.mtp import MTPDraftModel
 from chainspec.models.target import TargetModel
 from chainspec.models.tensor_parallel import (
     Shard,
     TPGroup,
     check_divides,
     empty_weights,
+    shard_draft,
     shard_target,
 )
 
@@ -41,10 +52,7 @@ def load_target_shard(model_dir: str | Path, tp: TPGroup, dtype: torch.dtype = t
     adapter = adapter_for(hf, architecture)
     with empty_weights():
         model = TargetModel(cfg, cache_len)
-    for module in model.modules():  # buffers (rotary tables); parameters stay meta
-        for name, buf in module._buffers.items():
-            if buf is not None:
-                module._buffers[name] = buf.to(device)
+    _buffers_to(model, device)
     shards = shard_target(model, tp)
     name_of = model.family.checkpoint_name
     expected = model.state_dict()
@@ -65,6 +73,52 @@ def load_target_shard(model_dir: str | Path, tp: TPGroup, dtype: torch.dtype = t
     _assign(model, state, model.model.embed_tokens if cfg.tie_word_embeddings else None)
     model.tp_shards, model.tp_bytes_read = shards, read
     return model
+
+
+def load_draft_shard(model_dir: str | Path, tp: TPGroup, dtype: torch.dtype = torch.float32,
+                     device: torch.device | str = "cpu", num_modules: int | None = None,
+                     cache_len: int | None = None) -> MTPDraftModel:
+    """Rank `tp.rank`'s shard of the MTP drafter of `model_dir` (`load_draft_model`'s
+    names and checks; only the rank's slices read)."""
+    hf = read_hf_config(model_dir)
+    adapter = _parse_config(model_dir, lambda: adapter_for(hf, None, None))
+    if adapter is None:
+        raise CheckpointError(f"{model_dir}: the architecture declares no MTP modules")
+    cfg = _parse_config(model_dir, lambda: draft_config(hf, adapter, None))
+    check_divides(cfg, tp.world)
+    count = _module_count(model_dir, cfg.num_mtp_layers, num_modules)
+    family = _family(cfg)
+    with empty_weights():
+        model = MTPDraftModel(cfg, count, adapter.glue, cache_len,
+                              family.mtp_block if family else None)
+    _buffers_to(model, device)
+    shards = shard_draft(model, tp)
+    rename = family.checkpoint_name if family else identity_name
+    expected = model.state_dict()
+    names = {key: rename(adapter.checkpoint_name(key, cfg.num_layers)) for key in expected}
+    if cfg.tie_word_embeddings:
+        names["lm_head.weight"] = rename("model.embed_tokens.weight")
+    state, read = {}, 0
+    with CheckpointFiles(model_dir) as files:
+        _check_unexpected_mtp(files, adapter, model, cfg, rename)
+        present = files.names()
+        for key, name in names.items():
+            tensor = _read(files, name, shards.get(key), tuple(expected[key].shape), present)
+            read += tensor.numel() * tensor.element_size()
+            tensor = adapter.convert(key, tensor)  # elementwise (norm offsets): slice-safe
+            keep = key.endswith(moe.FP32_SUFFIXES)
+            state[key] = tensor.to(device=device, dtype=torch.float32 if keep else dtype)
+    _assign(model, state, model.embed_tokens if cfg.tie_word_embeddings else None)
+    model.tp_shards, model.tp_bytes_read = shards, read
+    return model
+
+
+def _buffers_to(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Buffers (rotary tables) to `device`; parameters stay meta until assigned."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
 
 
 def _read(files: CheckpointFiles, name: str, shard: Shard | None, shape: tuple[int, ...],
