@@ -78,6 +78,14 @@ class LocalGroup:
             leave()
 
 
+def check_model(model_dir: str | Path, world: int) -> None:
+    """TPError in one line naming the model when `world` cannot shard it."""
+    try:
+        check_divides(ModelConfig.from_hf(read_hf_config(model_dir)), world)
+    except TPError as e:
+        raise TPError(f"{model_dir}: {e}") from None
+
+
 def start_local_group(model_dir: str | Path, world: int, dtype: torch.dtype = torch.float32,
                       device: str = "cpu", cache_len: int | None = None,
                       collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
@@ -86,10 +94,7 @@ def start_local_group(model_dir: str | Path, world: int, dtype: torch.dtype = to
     joined. A step whose peer is lost raises (RuntimeError) within the timeout. `draft`:
     a group of the MTP drafter (rank 0 holds a `DraftLeader`)."""
     source = ShardSource(str(model_dir), dtype, device, cache_len, draft)
-    try:  # before spawning anything
-        check_divides(ModelConfig.from_hf(read_hf_config(model_dir)), world)
-    except TPError as e:
-        raise TPError(f"{model_dir}: {e}") from None
+    check_model(model_dir, world)  # before spawning anything
     address = GroupAddress.local(world, "nccl" if device == "cuda" else "gloo",
                                  collective_timeout_s=collective_timeout_s)
     ctx = mp.get_context("spawn")
