@@ -112,4 +112,16 @@ def _join_stack(args: argparse.Namespace, token: str | None, on_lost):
     if token is None:
         token = stack.config(args.address, args.namespace).auth_token
     print(f"gateway joining {stack.target_of(args.namespace)}", file=sys.stderr, flush=True)
-    return ControllerVerifiers(controller, on_lost), token
+    # NOTE: with an explicit --address only: a state file's Ray may be a different one now
+    rejoin = (lambda: _rejoin(args)) if args.address else None
+    return ControllerVerifiers(controller, on_lost, rejoin), token
+
+
+def _rejoin(args: argparse.Namespace):
+    """The controller through a new Ray session, after the old one ended."""
+    import ray
+
+    from chainspec.cluster import stack
+
+    ray.shutdown()  # NOTE: the ended session's context, else ray.init refuses
+    return stack.connect(args.address, args.namespace)

@@ -46,10 +46,14 @@ class ControllerVerifiers:
     """The ready verifiers of a Ray-hosted stack, long-polled from its controller; the
     gateway joins the membership (role `gateway`), heartbeats with `register` and leaves
     when stopped. `on_lost` is called once if the controller dies for good (the stack
-    was stopped)."""
+    was stopped). `rejoin` (a new controller handle from a new Ray session) is called
+    when this process's Ray session itself ended, e.g. a Ray Client whose server went
+    with a restarted head pod: the gateway joins again instead of routing on a stale
+    membership for ever."""
 
-    def __init__(self, controller, on_lost: Callable[[], None] | None = None) -> None:
-        self.controller, self.on_lost = controller, on_lost
+    def __init__(self, controller, on_lost: Callable[[], None] | None = None,
+                 rejoin: Callable[[], Any] | None = None) -> None:
+        self.controller, self.on_lost, self.rejoin = controller, on_lost, rejoin
         self.member_id: str | None = None
         self._members: list[dict[str, Any]] = []  # as of the last watch
 
@@ -81,12 +85,26 @@ class ControllerVerifiers:
                 return
             except Exception as e:  # restarting controller, transient Ray errors
                 log.warning("membership watch failed (%s); retrying", e)
+                if self.rejoin is not None and _session_ended():
+                    await self._rejoin()
+                    version = -1
                 await asyncio.sleep(1.0)
                 continue
             self._members = members
             pool.set_endpoints(m["endpoint"] for m in members
                                if m["role"] == "verifier" and m["state"] == "ready"
                                and m["endpoint"])
+
+    async def _rejoin(self) -> None:
+        """A new Ray session and controller handle (the head may still be coming back:
+        the next failed watch tries again); the heartbeat joins as a new member."""
+        try:
+            self.controller = await asyncio.to_thread(self.rejoin)
+        except Exception as e:
+            log.warning("the Ray session ended; joining the stack again failed (%s)", e)
+            return
+        log.warning("the Ray session ended; joined the stack again")
+        self.member_id = None
 
     async def _heartbeat(self, describe: Describe) -> None:
         """Join, then `register` often enough that the controller never expires us; a
@@ -117,3 +135,11 @@ class ControllerVerifiers:
             await asyncio.wait_for(self.controller.leave.remote(self.member_id),
                                    LEAVE_TIMEOUT_S)
         self.member_id = None
+
+
+def _session_ended() -> bool:
+    """This process's Ray session is gone for good (a driver's survives a GCS outage; a
+    Ray Client's ends when its server does, after its reconnect grace period)."""
+    import ray
+
+    return not ray.is_initialized()
