@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from chainspec.engine.factory import LoadedModels, build_verifier_engine, load_models
+from chainspec.engine.fingerprint import model_fingerprint
 from chainspec.engine.local import DEMO_MODEL, LocalOptions, build_verifier
 from chainspec.engine.request import StopConditions
 from chainspec.engine.runner import merged_stats, run_to_completion
@@ -181,6 +182,14 @@ def test_each_rank_holds_half_of_the_sharded_parameters(group):
     target_bytes = sum(p.numel() for p in reference.target.parameters()) * 4
     stored = 2 if opts.model_dir == DEMO_MODEL else 4  # the demo is stored in bf16
     assert shard.tp_bytes_read * 4 / stored < 0.6 * target_bytes
+
+
+def test_fingerprint_equals_tp1(group):
+    """A TP=2 verifier pairs with the drafters of its checkpoint: the same fingerprint
+    over the full embedding and head, streamed from both ranks."""
+    _, reference, leader = group
+    assert model_fingerprint(leader) == model_fingerprint(reference.target)
+    assert model_fingerprint(leader) == model_fingerprint(reference.draft)
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused():

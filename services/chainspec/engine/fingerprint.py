@@ -38,5 +38,8 @@ def shared_weights(model: MTPDraftModel | TargetModel) -> dict[str, torch.Tensor
 
 
 def model_fingerprint(model: MTPDraftModel | TargetModel) -> str:
-    """The pairing fingerprint of a drafter's or a verifier's model."""
+    """The pairing fingerprint of a drafter's or a verifier's model (a tensor-parallel
+    group's rank 0 computes its own over every rank's rows: `engine/tp_group.py`)."""
+    if hasattr(model, "fingerprint"):
+        return model.fingerprint()
     return weights_fingerprint(shared_weights(model))

@@ -16,6 +16,7 @@ waits up to `idle_timeout_s` between steps, and rank 0 `ping`s it when idle long
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import pickle
 import socket
@@ -33,6 +34,7 @@ from chainspec.models.tensor_parallel import TPGroup
 
 COLLECTIVE_TIMEOUT_S = 60.0
 IDLE_TIMEOUT_S = 600.0
+CHUNK = 4096  # rows per message of the fingerprint stream
 
 
 def free_port() -> int:
@@ -132,6 +134,47 @@ def cache_geometry(cache: ModelKVCache) -> dict:
             "separate_windows": cache.separate_windows}
 
 
+def _shared(shard: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's rows of the embedding and LM head (`engine/fingerprint.py`'s pair)."""
+    embed = shard.model.embed_tokens if hasattr(shard, "model") else shard.embed_tokens
+    return {"embed": embed.weight, "head": shard.lm_head.weight}
+
+
+def group_fingerprint(shard: nn.Module, tp: TPGroup) -> str:
+    """Rank 0: `weights_fingerprint` of the full embedding and head, hashed as a stream of
+    every rank's rows in vocab order (received in chunks: no full copy is assembled),
+    so it equals the fingerprint of the same checkpoint at TP=1."""
+    h = hashlib.blake2b(digest_size=16)
+    mine = _shared(shard)
+    for name in sorted(mine):
+        vocab = shard.config.vocab_size
+        h.update(f"{name}:{[vocab, mine[name].shape[1]]};".encode())
+        for rank in range(tp.world):
+            rows = mine[name].detach() if rank == 0 else None
+            if rows is None:
+                count = torch.zeros(1, dtype=torch.int64)
+                dist.recv(count, src=rank)
+            for r0 in range(0, rows.shape[0] if rows is not None else int(count), CHUNK):
+                if rows is not None:
+                    chunk = rows[r0:r0 + CHUNK]
+                else:
+                    chunk = torch.empty(min(CHUNK, int(count) - r0), mine[name].shape[1])
+                    dist.recv(chunk, src=rank)
+                bits = chunk.to(torch.bfloat16).view(torch.int16)
+                h.update(bits.contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _send_rows(shard: nn.Module) -> None:
+    """Ranks > 0: their rows of the fingerprinted pair, to rank 0, in chunks."""
+    mine = _shared(shard)
+    for name in sorted(mine):
+        rows = mine[name].detach().float().cpu()
+        dist.send(torch.tensor([rows.shape[0]], dtype=torch.int64), dst=0)
+        for r0 in range(0, rows.shape[0], CHUNK):
+            dist.send(rows[r0:r0 + CHUNK].contiguous(), dst=0)
+
+
 class TPLeader(nn.Module):
     """Rank 0's model: the rank's shard, with every call mirrored to the other ranks.
     It reads like the `TargetModel` it wraps (config, family, cache_specs, logits)."""
@@ -176,6 +219,11 @@ class TPLeader(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self.channel.send(("logits", _host(hidden)))
         return self.shard.logits(hidden)
+
+    def fingerprint(self) -> str:
+        """The pairing fingerprint of the whole model (`engine/fingerprint.py`)."""
+        self.channel.send(("fingerprint",))
+        return group_fingerprint(self.shard, self.tp)
 
     def ping(self) -> None:
         """Keep the other ranks' wait for the next step from timing out while idle."""
@@ -222,6 +270,10 @@ class DraftLeader(nn.Module):
         self.channel.send(("draft_logits", step, _host(g)))
         return self.shard.logits(step, g)
 
+    def fingerprint(self) -> str:
+        self.channel.send(("fingerprint",))
+        return group_fingerprint(self.shard, self.tp)
+
     def close(self) -> None:
         self.channel.send(("stop",))
 
@@ -259,6 +311,8 @@ def follow(shard: nn.Module, channel: Channel, device: torch.device | str = "cpu
                 shard.step(step, move(tokens), move(prev), move(positions),
                            PagedAttention(cache, _batch_to(batch, move), scale))
                 forwards += 1
+            elif kind == "fingerprint":
+                _send_rows(shard)
             elif kind == "draft_logits":
                 shard.logits(msg[1], move(msg[2]))
             elif kind != "ping":
