@@ -65,6 +65,9 @@ def check_stack_model(config: StackConfig, must_exist: bool = True) -> None:
     d = config.drafter
     check_model(config.model_dir, drafts=d.local or d.replicas > 0 or d.autoscale is not None,
                 must_exist=must_exist)
+    if must_exist and config.verifier.tensor_parallel_size > 1:  # -tp: refused before Ray
+        from chainspec.engine.tp_launch import check_model as check_tp
+        check_tp(config.model_dir, config.verifier.tensor_parallel_size)
 
 
 def refuse_drafters(config: StackConfig) -> None:

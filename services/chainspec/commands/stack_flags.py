@@ -119,7 +119,7 @@ STACK_FLAGS = (
               {"type": float, "help": "GPUs per verifier (0: CPU)"}),
     StackFlag("verifier.tensor_parallel_size", ("-tp", "--tensor-parallel-size"),
               {"type": int, "metavar": "N", "help": "ranks of each verifier's target, one "
-               "process each (tensor parallel; generate and bench so far)"}),
+               "process each (tensor parallel; serve, up, generate, bench)"}),
 )
 
 
