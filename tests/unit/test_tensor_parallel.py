@@ -3,7 +3,9 @@ this process owning the VerifierEngine, rank 1 a spawned process following it in
 lockstep. For the demo model (4 heads over 2 KV heads, tied embeddings), a tiny Llama
 (1 KV head: replicated; untied, odd vocab: an uneven vocab split, q/k/v biases) and a
 tiny DeepSeek-V3 with dense layers (MLA by heads, the latent cache replicated) and one
-with MoE layers (experts split across the ranks, per-expert tensors read per rank):
+with MoE layers (experts split across the ranks, per-expert tensors read per rank),
+Qwen3.5 (GDN by key heads + gated attention), Qwen3-Next (fused GDN projections, MoE with
+a gated shared expert) and MiMo-V2-Flash (sliding window with sinks):
 logits match TP=1 within fp32 tolerance, greedy output is identical token for token,
 speculative output (in-process drafter on rank 0) equals plain, the KV cache holds the
 local heads, and each rank holds 1/N of the sharded parameters and reads no more."""
@@ -38,6 +40,7 @@ from tests.unit.checkpoints import demo_checkpoint
 from tests.unit.families.deepseek_v3_checkpoint import MOE, write_with_mtp
 from tests.unit.families.mimo_v2_flash_checkpoint import write_checkpoint as write_mimo_v2
 from tests.unit.families.qwen3_5_checkpoint import write_checkpoint as write_qwen3_5
+from tests.unit.families.qwen3_next_checkpoint import write_checkpoint as write_qwen3_next
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[5, 9, 13, 2, 7, 30, 11], [3] * 21, [17, 4, 60, 8, 1, 12, 6, 45, 33, 2, 9]]
@@ -99,9 +102,17 @@ def _mimo_sliding(tmp_path_factory):
     return model_dir
 
 
+def _qwen3_next(tmp_path_factory):
+    """Qwen3-Next: GDN with fused per-key-head projections, gated full attention, MoE
+    (4 experts, a gated shared expert) and one dense layer."""
+    model_dir = tmp_path_factory.mktemp("tp_next")
+    write_qwen3_next("qwen3_next", model_dir)
+    return model_dir
+
+
 CHECKPOINTS = {"demo": lambda _: DEMO_MODEL, "tiny_llama": _tiny, "deepseek_mla": _deepseek_mla,
                "deepseek_moe": _deepseek_moe, "qwen3_5_gdn": _qwen3_5_gdn,
-               "mimo_v2_sliding": _mimo_sliding}
+               "mimo_v2_sliding": _mimo_sliding, "qwen3_next": _qwen3_next}
 
 
 def _first_paged(specs) -> PagedSpec:
@@ -175,8 +186,11 @@ def test_each_rank_holds_half_of_the_sharded_parameters(group):
                                                     "v_proj.weight", "v_proj.bias")))}
     local, full = sharded_numel(shard, split)
     experts = [m for m in shard.modules() if isinstance(m, LocalExperts)]
-    assert len(experts) == (1 if opts.model_dir.name.startswith("tp_moe") else 0)
-    assert all(m.gate_up_proj.shape[0] == m.stop - m.start == 4 for m in experts)
+    moe_layers = {"tp_moe": 1, "tp_next": 3}.get(opts.model_dir.name.rstrip("0123456789"), 0)
+    assert len(experts) == moe_layers
+    assert all(m.gate_up_proj.shape[0] == m.stop - m.start for m in experts)
+    assert all(2 * (m.stop - m.start) == reference.target.config.moe.router.num_experts
+               for m in experts)
     vocab_pad = cfg.vocab_size % 2 * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     assert 2 * local == full + vocab_pad  # rank 0 takes the larger vocab share
     target_bytes = sum(p.numel() for p in reference.target.parameters()) * 4

@@ -247,9 +247,12 @@ class Sharder:
         """GDN by key heads (each with its Hv/Hk value heads): the rank's q, k and v
         rows of in_proj_qkv and of the depthwise conv, its value heads of z, b, a, dt_bias
         and A_log, out_proj row-parallel; the gated norm (over the head dim) replicated.
-        Its recurrent state then holds the local heads only."""
-        if type(gdn).make_projections is not GatedDeltaNet.make_projections:
-            raise TPError(f"{prefix.rstrip('.')}: no tensor-parallel rule for the fused "
+        Its recurrent state then holds the local heads only. Qwen3-Next's fused
+        projections (`in_proj_qkvz`, `in_proj_ba`) are laid out per key head: the rank's
+        key heads are one contiguous block of rows in each."""
+        fused = hasattr(gdn, "in_proj_qkvz") and hasattr(gdn, "in_proj_ba")
+        if not fused and type(gdn).make_projections is not GatedDeltaNet.make_projections:
+            raise TPError(f"{prefix.rstrip('.')}: no tensor-parallel rule for the "
                           f"projections of {type(gdn).__name__} yet")
         s, n = gdn.shape, self.tp.world
         if s.num_k_heads % n:
@@ -261,10 +264,16 @@ class Sharder:
         q_rows = (k0 * dk, (k0 + nk) * dk)
         more = ((s.key_dim + k0 * dk, s.key_dim + (k0 + nk) * dk),
                 (2 * s.key_dim + v0 * dv, 2 * s.key_dim + (v0 + nv) * dv))
-        self.column(gdn, "in_proj_qkv", prefix, *q_rows, more)
-        self.column(gdn, "in_proj_z", prefix, v0 * dv, (v0 + nv) * dv)
-        self.column(gdn, "in_proj_b", prefix, v0, v0 + nv)
-        self.column(gdn, "in_proj_a", prefix, v0, v0 + nv)
+        if fused:  # per key head: [q, k, v (r Dv), z (r Dv)] and [b (r), a (r)]
+            r = s.num_v_heads // s.num_k_heads
+            block = 2 * dk + 2 * r * dv
+            self.column(gdn, "in_proj_qkvz", prefix, k0 * block, (k0 + nk) * block)
+            self.column(gdn, "in_proj_ba", prefix, k0 * 2 * r, (k0 + nk) * 2 * r)
+        else:
+            self.column(gdn, "in_proj_qkv", prefix, *q_rows, more)
+            self.column(gdn, "in_proj_z", prefix, v0 * dv, (v0 + nv) * dv)
+            self.column(gdn, "in_proj_b", prefix, v0, v0 + nv)
+            self.column(gdn, "in_proj_a", prefix, v0, v0 + nv)
         self.vector(gdn, "dt_bias", prefix, v0, v0 + nv)
         self.vector(gdn, "A_log", prefix, v0, v0 + nv)
         self.row(gdn, "out_proj", prefix, v0 * dv, (v0 + nv) * dv)
