@@ -45,3 +45,16 @@ def test_a_lost_rank_fails_the_step_within_the_timeout(sig):
         torch.testing.assert_close(_step(again.leader), before)
     finally:
         again.close()
+
+
+def test_an_idle_group_stays_alive_past_the_idle_timeout():
+    """Rank 0's keep-alive pings the followers, whose wait for the next command would
+    otherwise time out after `idle_timeout_s` and end the group."""
+    group = start_local_group(DEMO_MODEL, 2, cache_len=64, idle_timeout_s=2.0)
+    try:
+        before = _step(group.leader)
+        time.sleep(5.0)  # 2.5 idle timeouts
+        assert group.processes[0].is_alive()
+        torch.testing.assert_close(_step(group.leader), before)
+    finally:
+        group.close()

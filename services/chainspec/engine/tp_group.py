@@ -10,7 +10,7 @@ first paged step and every rank allocates its own heads' share.
 
 Two process groups: steps' collectives time out after `collective_timeout_s`, so a lost
 peer fails the step instead of hanging it; the command channel (gloo, host objects)
-waits up to `idle_timeout_s` between steps, and rank 0 `ping`s it when idle longer.
+waits up to `idle_timeout_s` between steps, and rank 0 pings it while idle.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import hashlib
 import os
 import pickle
 import socket
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -62,11 +64,29 @@ class GroupAddress:
 class Channel:
     """Rank 0's commands to the other ranks: a pickled host object, broadcast as its
     length and its bytes. Rank 0's sends time out after the step timeout (a hung peer
-    fails the step); the others' waits for the next command after the idle timeout."""
+    fails the step); the others' waits for the next command after the idle timeout, so
+    rank 0 keeps an idle group alive: a daemon thread sends a ping whenever nothing was
+    sent for a third of it (sends take a lock, so messages never interleave)."""
 
-    def __init__(self, tp: TPGroup, group, send_timeout_s: float) -> None:
+    def __init__(self, tp: TPGroup, group, send_timeout_s: float,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
         self.tp, self.group = tp, group
         self.send_timeout = timedelta(seconds=send_timeout_s)
+        self._lock = threading.Lock()
+        self._last_send = time.monotonic()
+        self._closed = False
+        if tp.rank == 0 and tp.world > 1:
+            threading.Thread(target=self._keepalive, args=(idle_timeout_s / 3,),
+                             name="tp-keepalive", daemon=True).start()
+
+    def _keepalive(self, every_s: float) -> None:
+        while not self._closed:
+            time.sleep(min(every_s / 4, 1.0))
+            if not self._closed and time.monotonic() - self._last_send > every_s:
+                try:
+                    self.send(("ping",))
+                except RuntimeError:  # a lost peer: the next step reports it
+                    return
 
     def _broadcast(self, t: torch.Tensor, timeout: timedelta | None) -> None:
         opts = dist.BroadcastOptions()
@@ -77,8 +97,14 @@ class Channel:
 
     def send(self, msg: tuple) -> None:
         data = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)
-        self._broadcast(torch.tensor([data.numel()], dtype=torch.int64), self.send_timeout)
-        self._broadcast(data, self.send_timeout)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = msg[0] == "stop"
+            self._last_send = time.monotonic()
+            self._broadcast(torch.tensor([data.numel()], dtype=torch.int64),
+                            self.send_timeout)
+            self._broadcast(data, self.send_timeout)
 
     def recv(self) -> tuple:
         size = torch.zeros(1, dtype=torch.int64)
@@ -96,7 +122,7 @@ def join(address: GroupAddress, rank: int) -> tuple[TPGroup, Channel]:
     commands = dist.new_group(backend="gloo",
                               timeout=timedelta(seconds=address.idle_timeout_s))
     tp = TPGroup(rank, address.world)
-    return tp, Channel(tp, commands, address.collective_timeout_s)
+    return tp, Channel(tp, commands, address.collective_timeout_s, address.idle_timeout_s)
 
 
 def leave() -> None:
@@ -224,10 +250,6 @@ class TPLeader(nn.Module):
         """The pairing fingerprint of the whole model (`engine/fingerprint.py`)."""
         self.channel.send(("fingerprint",))
         return group_fingerprint(self.shard, self.tp)
-
-    def ping(self) -> None:
-        """Keep the other ranks' wait for the next step from timing out while idle."""
-        self.channel.send(("ping",))
 
     def close(self) -> None:
         self.channel.send(("stop",))
