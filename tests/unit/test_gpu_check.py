@@ -58,7 +58,7 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
     # each family's static steps equal packed ones, and spec equals plain (CPU: eager)
     fam = secs["family_graphs"]["rows"]
     assert {(r["family"], r["mode"]) for r in fam} == {
-        (f, m) for f in ("qwen3_5", "mimo_v2_flash", "deepseek_v3", "step3")
+        (f, m) for f in ("qwen3_5", "mimo_v2_flash", "deepseek_v3", "step3", "qwen3_next")
         for m in ("plain", "spec")}
     assert all(r["equals_eager_plain"] and r["same_writes"] and r["checked_steps"]
                for r in fam)
