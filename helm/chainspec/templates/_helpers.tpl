@@ -154,6 +154,36 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- index $limits "nvidia.com/gpu" | default 0 -}}
 {{- end -}}
 
+{{/* A role's tensor-parallel size (its member's ranks, all in one pod), refused where it
+cannot work: a GPU pod must have exactly one GPU per rank (fewer: ranks without a device;
+more: GPUs the actor holds idle), and the size must shard the model's heads when the
+chart knows them (models/tensor_parallel.py head_split: divide the attention heads and
+the KV heads, or be a multiple of fewer KV heads, which are replicated). The power of two
+is the schema's. Call with (dict "ctx" $ "role" "verifier"). */}}
+{{- define "chainspec.tensorParallel" -}}
+{{- $v := index .ctx.Values .role -}}
+{{- $tp := int ($v.tensorParallelSize | default 1) -}}
+{{- $gpus := int (include "chainspec.gpus" $v) -}}
+{{- if and (gt $gpus 0) (ne $gpus $tp) -}}
+{{- fail (printf "%s.tensorParallelSize %d needs %d GPUs in the pod (one per rank), but %s.resources.limits nvidia.com/gpu is %d" .role $tp $tp .role $gpus) -}}
+{{- end -}}
+{{- $m := .ctx.Values.model -}}
+{{- with $m.numAttentionHeads -}}
+{{- if mod (int .) $tp -}}
+{{- fail (printf "%s.tensorParallelSize %d does not divide model.numAttentionHeads %d" $.role $tp (int .)) -}}
+{{- end -}}
+{{- end -}}
+{{- with $m.numKeyValueHeads -}}
+{{- $kv := int . -}}
+{{- if and (ge $kv $tp) (mod $kv $tp) -}}
+{{- fail (printf "%s.tensorParallelSize %d does not divide model.numKeyValueHeads %d" $.role $tp $kv) -}}
+{{- else if and (lt $kv $tp) (mod $tp $kv) -}}
+{{- fail (printf "%s.tensorParallelSize %d is not a multiple of model.numKeyValueHeads %d (fewer KV heads than ranks are replicated)" $.role $tp $kv) -}}
+{{- end -}}
+{{- end -}}
+{{- $tp -}}
+{{- end -}}
+
 {{/* KubeRay rayStartParams `resources`: a JSON map in double quotes, as ray start wants. */}}
 {{- define "chainspec.rayResources" -}}
 {{- printf "\"%s\"" (toJson . | replace "\"" "\\\"") -}}
@@ -175,6 +205,9 @@ of the drafter role is rendered. Also refuses values that cannot mean anything. 
 {{- if eq (.Values.drafter.mode | default "remote") "local" -}}
 {{- if .Values.drafter.autoscaling -}}
 {{- fail "drafter.autoscaling needs drafter.mode remote: with local there are no drafter pods" -}}
+{{- end -}}
+{{- if gt (int (.Values.drafter.tensorParallelSize | default 1)) 1 -}}
+{{- fail "drafter.tensorParallelSize > 1 needs drafter.mode remote: a local drafter runs at TP=1 inside the verifier's rank 0" -}}
 {{- end -}}
 true
 {{- end -}}
