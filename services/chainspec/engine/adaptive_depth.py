@@ -1,0 +1,198 @@
+"""Adaptive draft depth (DESIGN 4.11): each step, k in 0..K drafts per sequence, chosen
+to maximise expected committed tokens per second of the step.
+
+Two estimates feed the choice, both measured online, neither tuned by the user:
+- acceptance per draft position: `a[i]` = P(draft i+1 accepted | drafts 1..i accepted),
+  per sequence, with the global per-position rates as its prior;
+- the step's cost: `fixed_s + per_row_s * rows` for the forward (a verify window is k + 1
+  rows, a plain decode row 1), plus `draft_s`, the draft round as the verifier sees it
+  (its wait for drafts and the drafter work it does itself), paid when any sequence
+  drafts.
+
+`choose_depths` is the pure decision; `AdaptiveDepth` holds the estimates. Depth changes
+which drafts are verified, never how: the acceptance rule decides every token (3.3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+PRIOR_RATE = 0.7  # global rate before any round is seen: optimistic, so drafting starts
+PRIOR_WEIGHT = 4.0  # rounds' worth of weight the global rate has in a sequence's estimate
+SEQ_DECAY = 0.9  # a sequence's running estimate: weight of the past per new round
+GLOBAL_DECAY = 0.995  # global rates: slow forgetting
+COST_DECAY = 0.98  # step cost fit: weight of the past per step
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds: the forward is `fixed_s + per_row_s * rows`; `draft_s` once if any drafts."""
+
+    fixed_s: float
+    per_row_s: float
+    draft_s: float = 0.0
+
+
+def expected_tokens(rates: Sequence[float], k: int) -> float:
+    """Expected committed tokens of a verify window with k drafts: the bonus token plus
+    the chance each prefix of drafts is accepted."""
+    total, reach = 1.0, 1.0
+    for a in rates[:k]:
+        reach *= a
+        total += reach
+    return total
+
+
+def choose_depths(rates: Sequence[Sequence[float]], caps: Sequence[int], cost: StepCost,
+                  other_rows: int = 0) -> list[int]:
+    """Depth per sequence maximising (expected tokens) / (step seconds).
+
+    `rates[s][i]`: sequence s's conditional acceptance of draft i+1; `caps[s]`: most drafts
+    it may verify; `other_rows`: rows of the step that are not verify windows (prefill).
+    Each extra draft of s adds `prod(rates[s][:k+1])` tokens (falling in k) for
+    `per_row_s` seconds, so the best set is a prefix of the gains in falling order: take
+    a gain while it beats the current tokens per second. Drafting at all also costs
+    `draft_s`; the result is all zeros when that does not pay."""
+    n = len(rates)
+    base_tokens = float(n)
+    base_s = cost.fixed_s + cost.per_row_s * (n + other_rows)
+    gains: list[tuple[float, int]] = []
+    for s, (r, cap) in enumerate(zip(rates, caps, strict=True)):
+        reach = 1.0
+        for a in r[:cap]:
+            reach *= a
+            gains.append((reach, s))
+    gains.sort(key=lambda g: -g[0])
+    depths = [0] * n
+    tokens, seconds = base_tokens, base_s + cost.draft_s
+    taken = 0
+    for gain, _ in gains:
+        if gain * seconds <= cost.per_row_s * tokens:  # gain/per_row <= tokens/seconds
+            break
+        tokens += gain
+        seconds += cost.per_row_s
+        taken += 1
+    if not n or not taken or tokens * base_s <= base_tokens * seconds:
+        return depths  # plain decoding is at least as fast
+    for _, s in gains[:taken]:
+        depths[s] += 1
+    return depths
+
+
+@dataclass
+class PositionCounts:
+    """Decayed rounds that reached draft position i (`trials`) and accepted it (`hits`)."""
+
+    trials: list[float]
+    hits: list[float]
+
+    @classmethod
+    def empty(cls, num_steps: int) -> PositionCounts:
+        return cls([0.0] * num_steps, [0.0] * num_steps)
+
+    def record(self, num_drafts: int, accepted: int, decay: float) -> None:
+        """A round verified `num_drafts` drafts and accepted the first `accepted`; the
+        positions past the first rejection were not tried."""
+        for i in range(len(self.trials)):
+            self.trials[i] *= decay
+            self.hits[i] *= decay
+        for i in range(min(num_drafts, accepted + 1)):
+            self.trials[i] += 1.0
+            self.hits[i] += i < accepted
+
+    def rates(self, prior: Sequence[float], weight: float) -> list[float]:
+        return [(h + weight * p) / (t + weight)
+                for h, t, p in zip(self.hits, self.trials, prior, strict=True)]
+
+
+@dataclass
+class _LinearFit:
+    """Exponentially weighted least squares of y = a + b * x (seconds against rows)."""
+
+    decay: float
+    sw: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.sw, self.sx, self.sy = d * self.sw + 1, d * self.sx + x, d * self.sy + y
+        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
+
+    def coefficients(self) -> tuple[float, float] | None:
+        if self.sw == 0:
+            return None
+        mx, my = self.sx / self.sw, self.sy / self.sw
+        var = self.sxx / self.sw - mx * mx
+        if var < 0.25 or mx <= 0:  # NOTE: rows barely varied: split the mean cost evenly
+            b = 0.5 * my / max(mx, 1.0)
+        else:
+            b = max(0.0, (self.sxy / self.sw - mx * my) / var)
+        return max(0.0, my - b * mx), b
+
+
+@dataclass
+class AdaptiveDepth:
+    """The estimates behind `choose_depths`, fed by the verifier after each step."""
+
+    num_steps: int  # K
+    seqs: dict[Hashable, PositionCounts] = field(default_factory=dict)
+    global_counts: PositionCounts | None = None
+    forward: _LinearFit = field(default_factory=lambda: _LinearFit(COST_DECAY))
+    draft_s: float | None = None  # overhead of steps with drafts, beyond the forward
+    plain_s: float | None = None  # overhead of steps without drafts, beyond the forward
+
+    def __post_init__(self) -> None:
+        if self.global_counts is None:
+            self.global_counts = PositionCounts.empty(self.num_steps)
+
+    def prior(self) -> list[float]:
+        return self.global_counts.rates([PRIOR_RATE] * self.num_steps, 1.0)
+
+    def rates(self, key: Hashable) -> list[float]:
+        prior = self.prior()
+        counts = self.seqs.get(key)
+        return prior if counts is None else counts.rates(prior, PRIOR_WEIGHT)
+
+    def cost(self) -> StepCost | None:
+        """None until a step was measured: verify at full depth meanwhile."""
+        fit = self.forward.coefficients()
+        if fit is None:
+            return None
+        draft = 0.0 if self.draft_s is None else max(0.0, self.draft_s - (self.plain_s or 0.0))
+        return StepCost(fit[0], fit[1], draft)
+
+    def depths(self, keys: Sequence[Hashable], caps: Sequence[int],
+               other_rows: int = 0) -> list[int]:
+        cost = self.cost()
+        if cost is None:
+            return list(caps)
+        return choose_depths([self.rates(k) for k in keys], caps, cost, other_rows)
+
+    def observe_round(self, key: Hashable, num_drafts: int, accepted: int) -> None:
+        if num_drafts == 0:
+            return
+        counts = self.seqs.setdefault(key, PositionCounts.empty(self.num_steps))
+        counts.record(num_drafts, accepted, SEQ_DECAY)
+        self.global_counts.record(num_drafts, accepted, GLOBAL_DECAY)
+
+    def observe_step(self, rows: int, forward_s: float, other_s: float,
+                     drafted: bool) -> None:
+        """A step ran `rows` rows in `forward_s`; `other_s`: the rest of its time (draft
+        wait, bookkeeping, the update sent); `drafted`: some sequence verified drafts."""
+        if rows > 0:
+            self.forward.add(rows, forward_s)
+        if drafted:
+            self.draft_s = _ema(self.draft_s, other_s)
+        else:
+            self.plain_s = _ema(self.plain_s, other_s)
+
+    def forget(self, key: Hashable) -> None:
+        self.seqs.pop(key, None)
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else COST_DECAY * old + (1 - COST_DECAY) * new

@@ -1,0 +1,125 @@
+"""Adaptive draft depth's decisions on hand-made estimates and costs (DESIGN 4.11).
+
+Costs are in milliseconds (the policy only compares ratios). Each expected depth is
+checked by hand from tokens/seconds in the test's comment."""
+
+import pytest
+
+from chainspec.engine.adaptive_depth import (
+    AdaptiveDepth,
+    PositionCounts,
+    StepCost,
+    _LinearFit,
+    choose_depths,
+    expected_tokens,
+)
+
+MS = StepCost(fixed_s=1.0, per_row_s=1.0)
+
+
+def test_expected_tokens_is_bonus_plus_accepted_prefixes():
+    assert expected_tokens([0.9, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.9, 0.5, 0.5], 2) == pytest.approx(1 + 0.9 + 0.45)
+    assert expected_tokens([0.9, 0.5, 0.5], 3) == pytest.approx(1 + 0.9 + 0.45 + 0.225)
+
+
+def test_batch_one_high_acceptance_drafts_full_depth():
+    # plain 1/2 = .5; d1: 1.9/3 = .63; d2: 2.71/4 = .68; d3: 3.439/5 = .69
+    assert choose_depths([[0.9] * 3], [3], MS) == [3]
+
+
+def test_depth_stops_where_the_next_draft_no_longer_pays():
+    # fixed 1, row 1: d1 1.8/3 = .6 > .5; d2 .64 * 3 = 1.92 > 1.8 -> 2.44/4 = .61;
+    # d3 .512 * 4 = 2.05 < 2.44: stop at 2
+    assert choose_depths([[0.8, 0.8, 0.8]], [3], MS) == [2]
+
+
+def test_high_batch_drafts_less():
+    # 16 rows: plain 16/17 = .94 tokens/ms; a first draft adds .6 for 1 ms: not worth it
+    assert choose_depths([[0.6] * 3] * 16, [3] * 16, MS) == [0] * 16
+    # the same rates at batch 1 pay: plain .5 < 1.6/3; a second (.36 * 3 < 1.6) does not
+    assert choose_depths([[0.6] * 3], [3], MS) == [1]
+
+
+def test_low_acceptance_drafts_nothing():
+    # plain .5; one draft: 1.3/3 = .43
+    assert choose_depths([[0.3] * 3], [3], MS) == [0]
+
+
+def test_draft_round_cost_can_make_plain_best():
+    # plain 1/2 = .5; best with drafts 3.439/(5 + 10) = .23
+    cost = StepCost(fixed_s=1.0, per_row_s=1.0, draft_s=10.0)
+    assert choose_depths([[0.9] * 3], [3], cost) == [0]
+    # a cheap draft round still pays: 3.439/(5 + .5) = .63 > .5
+    assert choose_depths([[0.9] * 3], [3], StepCost(1.0, 1.0, 0.5)) == [3]
+
+
+def test_depth_per_sequence_follows_its_own_acceptance():
+    # fixed 2, 2 seqs: plain 2/4; .9 -> 2.9/5; .81 -> 3.71/6; .729 -> 4.44/7 = .63;
+    # the other's .1 * 7 < 4.44: it stays at 0
+    cost = StepCost(fixed_s=2.0, per_row_s=1.0)
+    assert choose_depths([[0.9] * 3, [0.1] * 3], [3, 3], cost) == [3, 0]
+
+
+def test_caps_bound_depth_and_prefill_rows_count():
+    assert choose_depths([[0.9] * 3, [0.9] * 3], [1, 0], MS) == [1, 0]
+    # 100 prefill rows make the step long: a verify row is cheap next to it
+    # (plain 1/102; d1 1.2/103; d2 .04 * 103 > 1.2 -> 1.24/104; d3 .008 * 104 < 1.24)
+    assert choose_depths([[0.2] * 3], [3], MS, other_rows=100) == [2]
+    assert choose_depths([[0.2] * 3], [3], MS) == [0]
+    assert choose_depths([], [], MS) == []
+
+
+def test_counts_try_positions_up_to_the_first_rejection():
+    c = PositionCounts.empty(3)
+    c.record(3, 1, decay=1.0)  # d1 accepted, d2 rejected, d3 not tried
+    assert (c.trials, c.hits) == ([1, 1, 0], [1, 0, 0])
+    c.record(2, 2, decay=1.0)  # both accepted; d3 was not verified
+    assert (c.trials, c.hits) == ([2, 2, 0], [2, 1, 0])
+    assert c.rates([0.5, 0.5, 0.5], weight=2.0) == pytest.approx([0.75, 0.5, 0.5])
+
+
+def test_linear_fit_recovers_fixed_and_per_row_cost():
+    fit = _LinearFit(decay=1.0)
+    for rows in (4, 8, 16, 64):
+        fit.add(rows, 1.0 + 0.5 * rows)
+    a, b = fit.coefficients()
+    assert (a, b) == (pytest.approx(1.0), pytest.approx(0.5))
+
+
+def _learned(batch: int, accepted: int) -> AdaptiveDepth:
+    """Estimates after steps of `batch` sequences at full depth accepting `accepted`;
+    steps cost 1 + rows ms, the rest of a step 0."""
+    policy = AdaptiveDepth(num_steps=3)
+    for step in range(60):
+        for seq in range(batch):
+            policy.observe_round(seq, 3, accepted)
+        rows = batch * 4 if step % 2 else batch  # rows vary (as prefill and depth do)
+        policy.observe_step(rows, 1.0 + rows, 0.0, drafted=True)
+    return policy
+
+
+def test_policy_learns_cost_and_rates_then_drafts_again_when_it_pays():
+    policy = _learned(batch=16, accepted=1)  # rates ~ [1, 0, ...]: d1 always, d2 never
+    cost = policy.cost()
+    assert (cost.fixed_s, cost.per_row_s) == (pytest.approx(1.0), pytest.approx(1.0))
+    assert policy.rates(0)[0] > 0.95 and policy.rates(0)[1] < 0.1
+    # 16 sequences: the sure first draft pays, the second does not
+    assert policy.depths(list(range(16)), [3] * 16) == [1] * 16
+    policy = _learned(batch=16, accepted=0)
+    assert policy.depths(list(range(16)), [3] * 16) == [0] * 16
+    # load falls to one sequence, its estimates unchanged: it drafts again
+    # (plain 1/2; .. vs rates ~ .04: no) -- with acceptance 0 it rightly stays plain,
+    # while a sequence whose own rounds accepted everything drafts at once
+    for _ in range(10):
+        policy.observe_round("good", 3, 3)
+    assert policy.depths(["good"], [3])[0] >= 2
+    assert policy.depths([0], [3]) == [0]
+
+
+def test_unmeasured_policy_verifies_full_depth_and_forgets_finished_sequences():
+    policy = AdaptiveDepth(num_steps=3)
+    assert policy.depths([0, 1], [3, 2]) == [3, 2]
+    policy.observe_round(7, 3, 0)
+    policy.forget(7)
+    assert 7 not in policy.seqs
