@@ -12,7 +12,8 @@
    kernels, the fused MoE kernel vs reference on a DeepSeek-V3-shaped layer (decode,
    verify and prefill rows), and the Qwen3.5 / MiMo-V2-Flash / DeepSeek-V3 families'
    graph-vs-eager and lossless checks on tiny random checkpoints (a False check is the
-   section's error).
+   section's error), and the TP=1 verify step on 2 and 4 layers shaped like an 8B Llama
+   (`benchmarks/tp_step.py`'s shapes: the single-device baseline of tensor parallelism).
    A section whose dependency is not on main records {"skipped": why}; one that raises
    records {"error": ...} and the run exits 1.
 Writes gpu_check.json and gpu_check.md under --out. Medians of CUDA-event times.
@@ -49,7 +50,7 @@ from benchmarks.gpu.timing import Budget, Context  # noqa: E402
 
 TESTS_TIMEOUT_S = 210
 BUDGETS_S = {"draft_round": 30, "verify_step": 30, "attention": 90, "small_kernels": 20,
-             "moe": 60, "family_graphs": 60}
+             "moe": 60, "family_graphs": 60, "tp_step": 60}
 
 
 def sections():
@@ -59,10 +60,11 @@ def sections():
     from benchmarks.gpu.family_graphs import family_graphs_section
     from benchmarks.gpu.moe import moe_section
     from benchmarks.gpu.small_kernels import small_kernels_section
+    from benchmarks.gpu.tp_step import tp_step_section
     return {"draft_round": draft_round_section, "verify_step": verify_step_section,
             "attention": attention_section, "small_kernels": small_kernels_section,
             "moe": moe_section,
-            "family_graphs": family_graphs_section}
+            "family_graphs": family_graphs_section, "tp_step": tp_step_section}
 
 
 def run_tests(timeout_s: float) -> dict:

@@ -54,12 +54,13 @@ def random_model(cfg: ModelConfig, tp: TPGroup | None) -> TargetModel:
     return model.eval()
 
 
-def step_inputs(seqs: int, context: int) -> tuple[torch.Tensor, AttnBatch, int]:
+def step_inputs(seqs: int, context: int, device: str | torch.device = "cpu",
+                vocab: int = 32000) -> tuple[torch.Tensor, AttnBatch, int]:
     blocks_per_seq = -(-(context + ROWS_PER_SEQ) // BLOCK)
     rows = [SeqRows(list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), context,
                     ROWS_PER_SEQ) for i in range(seqs)]
-    batch = AttnBatch.build(rows, BLOCK)
-    ids = torch.randint(0, 32000, (seqs * ROWS_PER_SEQ,))
+    batch = AttnBatch.build(rows, BLOCK, device=device)
+    ids = torch.randint(0, vocab, (seqs * ROWS_PER_SEQ,), device=device)
     return ids, batch, seqs * blocks_per_seq
 
 

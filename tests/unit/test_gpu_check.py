@@ -41,7 +41,7 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
     assert doc["ok"] and doc["meta"]["dry_run"]
     secs = doc["sections"]
     names = {"draft_round", "verify_step", "attention", "small_kernels", "family_graphs",
-             "moe"}
+             "moe", "tp_step"}
     assert set(secs) == names
     for name in names:
         assert "rows" in secs[name] and secs[name]["rows"], (name, secs[name])
@@ -62,6 +62,10 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
         for m in ("plain", "spec")}
     assert all(r["equals_eager_plain"] and r["same_writes"] and r["checked_steps"]
                for r in fam)
+    # the TP=1 baseline: one row per (layers, sequences), K + 1 rows per sequence
+    tp = secs["tp_step"]["rows"]
+    assert [(r["tp"], r["layers"], r["rows"]) for r in tp] == [(1, 2, 4), (1, 2, 8)]
+    assert all(0 < r["lm_head_ms"] < r["step_ms"] and r["per_layer_ms"] > 0 for r in tp)
 
 
 def test_pytest_counts_reads_the_summary_line():
