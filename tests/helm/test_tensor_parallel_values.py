@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helm.crds import validation_errors
-from tests.helm.render import HelmError, one, stack_config, template, worker_group
+from tests.helm.render import HelmError, one, render, stack_config, template, worker_group
 
 
 def gpu_pods(role: str, gpus: int) -> tuple[str, ...]:
@@ -73,3 +73,10 @@ def test_impossible_combinations_are_refused_by_name(args, needle):
     with pytest.raises(HelmError) as e:
         template(*args)
     assert needle in str(e.value)
+
+
+def test_the_example_renders_its_groups():
+    docs = render("gpu-tensor-parallel")
+    config = stack_config(docs)
+    assert (config.verifier.tensor_parallel_size, config.verifier.num_gpus) == (4, 4)
+    assert (config.drafter.tensor_parallel_size, config.drafter.num_gpus) == (2, 2)
