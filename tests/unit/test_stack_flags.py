@@ -30,6 +30,7 @@ EXAMPLES = {
     "drafter.mode": "local", "drafter.replicas": "3", "verifier.replicas": "2",
     "drafter.num_gpus": "0.5", "verifier.num_gpus": "1",
     "verifier.tensor_parallel_size": "2",
+    "drafter.tensor_parallel_size": "2",
 }
 PARSER, _ = build_parser()
 
@@ -73,7 +74,8 @@ def test_all_flags_together_over_a_file(tmp_path, monkeypatch) -> None:
     path.write_text("health_timeout_s: 9\ndrafter: {num_cpus: 2}\nverifier: {port: 7000}\n")
     argv = ["--config", str(path), "--token-env", "CHAINSPEC_AUTH_TOKEN"]
     for flag in STACK_FLAGS:
-        if flag.key not in ("kv_cache_fraction", "drafter.replicas"):  # exclusive with others
+        if flag.key not in ("kv_cache_fraction", "drafter.replicas",  # exclusive with others
+                            "drafter.tensor_parallel_size"):  # (drafter mode local)
             argv += argv_of(flag)
     by_serve, by_up = both(*argv)
     assert by_serve == by_up

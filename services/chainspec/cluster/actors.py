@@ -126,11 +126,15 @@ class DrafterActor(_ServiceActor):
     def load(self) -> int:
         return self.engine.load if self.server is not None else 0
 
+    group = None  # a TP drafter's RayGroup (this actor is its rank 0)
+
     async def stats(self) -> dict[str, float]:
-        """Cumulative draft rounds and their compute time."""
+        """Cumulative draft rounds and their compute time, and the ranks drafting."""
         if self.server is None:
             return {}
-        return {"updates": self.engine.updates, "update_s_total": self.engine.update_s_total}
+        ranks = 1 if self.group is None else 1 + len(self.group.ranks)
+        return {"updates": self.engine.updates, "update_s_total": self.engine.update_s_total,
+                "ranks": ranks}
 
     async def serve(self) -> Any:
         name = os.path.basename(self.config.model_dir)
@@ -143,7 +147,17 @@ class DrafterActor(_ServiceActor):
         reason = no_mtp_reason(opts.model_dir)
         if reason is not None:
             raise CheckpointError(f"{reason}; serve it with --drafters 0")
-        return load_drafter(opts, observer=metrics)
+        # a TP group: this actor is rank 0, ranks 1.. are Ray actors (cluster/tp_ranks.py)
+        return load_drafter(opts, observer=metrics, start_group=self._start_ranks)
+
+    def _start_ranks(self, *args, **kwargs):
+        """Ranks 1.. in bundles 1.. of a placement group this actor owns: they and the
+        group die with it, so a restart replaces the whole group."""
+        from chainspec.cluster.tp_ranks import start_ray_group
+        rc = self.config.drafter
+        self.group = start_ray_group(*args, **kwargs, **({"cpus_per_rank": rc.num_cpus}
+                                                         if rc.num_cpus > 0 else {}))
+        return self.group
 
 
 class VerifierActor(_ServiceActor):

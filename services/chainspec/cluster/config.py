@@ -104,6 +104,9 @@ class DrafterRoleConfig(RoleConfig):
         if self.local and self.replicas:
             raise ValueError(f"drafter.replicas must be 0 with drafter.mode local (each "
                              f"verifier drafts in process), got {self.replicas}")
+        if self.local and self.tensor_parallel_size > 1:
+            raise ValueError("drafter.tensor_parallel_size needs drafter.mode remote: in "
+                             "local mode each verifier drafts in process at size 1")
         super().__post_init__()
 
     @property

@@ -68,6 +68,9 @@ def check_stack_model(config: StackConfig, must_exist: bool = True) -> None:
     if must_exist and config.verifier.tensor_parallel_size > 1:  # -tp: refused before Ray
         from chainspec.engine.tp_launch import check_model as check_tp
         check_tp(config.model_dir, config.verifier.tensor_parallel_size)
+    if must_exist and d.tensor_parallel_size > 1 and (d.replicas > 0 or d.autoscale):
+        from chainspec.engine.tp_launch import check_model as check_tp
+        check_tp(config.model_dir, d.tensor_parallel_size, draft=True)
 
 
 def refuse_drafters(config: StackConfig) -> None:

@@ -85,7 +85,7 @@ def start_ray_group(model_dir: str | Path, world: int, dtype: torch.dtype = torc
                     cpus_per_rank: float = 0.5,
                     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> RayGroup:
     """Reserve N bundles on one node, start ranks 1..N-1 in bundles 1.., join as rank 0."""
-    check_model(model_dir, world)
+    check_model(model_dir, world, draft)
     bundle = {"GPU": 1.0} if device == "cuda" else {"CPU": cpus_per_rank}
     pg = placement_group([dict(bundle) for _ in range(world)], strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=READY_TIMEOUT_S)

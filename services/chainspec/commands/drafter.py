@@ -66,6 +66,9 @@ def resolve(args: argparse.Namespace) -> DrafterCommand:
     local = dataclasses.replace(local_options(args, "drafter"),
                                 kv_cache_memory=config.kv_cache_memory,
                                 kv_cache_fraction=config.kv_cache_fraction)
+    if local.tensor_parallel_size > 1:  # -tp: refused before anything loads
+        from chainspec.engine.tp_launch import check_model
+        check_model(local.model_dir, local.tensor_parallel_size, draft=True)
     name = args.model_name or Path(local.model_dir).resolve().name
     return DrafterCommand(local, drafter_config(local), server_options(args, config), name)
 

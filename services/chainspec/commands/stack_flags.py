@@ -120,6 +120,9 @@ STACK_FLAGS = (
     StackFlag("verifier.tensor_parallel_size", ("-tp", "--tensor-parallel-size"),
               {"type": int, "metavar": "N", "help": "ranks of each verifier's target, one "
                "process each (tensor parallel; serve, up, generate, bench)"}),
+    StackFlag("drafter.tensor_parallel_size", ("--drafter-tensor-parallel-size",),
+              {"type": int, "metavar": "N", "help": "ranks of each drafter's MTP modules, "
+               "one process each (tensor parallel; serve, up, drafter)"}),
 )
 
 

@@ -11,6 +11,7 @@ an in-process drafter): the verifier is built over whichever it is given.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -95,10 +96,21 @@ def build_drafter(draft: MTPDraftModel, opts: LocalOptions,
     return TimedDrafterEngine(draft, drafter_config(opts), observer=observer)
 
 
-def load_drafter(opts: LocalOptions,
-                 observer: DrafterObserver | None = None) -> TimedDrafterEngine:
-    """Load the MTP modules of `opts.model_dir` and build a drafter over them."""
-    return build_drafter(load_draft(opts), opts, observer)
+def load_drafter(opts: LocalOptions, observer: DrafterObserver | None = None,
+                 start_group: Callable | None = None) -> TimedDrafterEngine:
+    """Load the MTP modules of `opts.model_dir` and build a drafter over them. With
+    tensor_parallel_size N > 1 (a drafter's own: `StackConfig.local_options("drafter")`),
+    over rank 0's `DraftLeader` of a group; `start_group` hosts its other ranks (default
+    `start_local_group`: processes of this machine), closed at exit."""
+    if opts.tensor_parallel_size == 1:
+        return build_drafter(load_draft(opts), opts, observer)
+    if start_group is None:
+        from chainspec.engine.tp_launch import start_local_group as start_group
+    group = start_group(opts.model_dir, opts.tensor_parallel_size, DTYPES[opts.dtype],
+                        opts.device, opts.max_len, draft=True)
+    atexit.register(group.close)
+    # NOTE: collectives are not captured in CUDA graphs yet (as the verifier's TPLeader)
+    return build_drafter(group.leader, dataclasses.replace(opts, use_graphs=False), observer)
 
 
 def build_verifier_engine(target: TargetModel, opts: LocalOptions, drafts: DraftClient | None,

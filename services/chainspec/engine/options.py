@@ -48,7 +48,9 @@ class LocalOptions:
     # asks for (one value for both, so a verifier never asks for more than it gets)
     draft_top_k: int = 8
     use_graphs: bool = True  # CUDA graphs for both engines' steps on a GPU; False: eager
-    tensor_parallel_size: int = 1  # the target's ranks (engine/tp_group.py); 1: no group
+    # this engine's ranks (engine/tp_group.py): the target's; in a drafter's options
+    # (`for_drafter`'s caller) its MTP modules'. An in-process drafter runs at 1. 1: no group
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))

@@ -271,6 +271,10 @@ class DraftLeader(nn.Module):
     def tp(self) -> TPGroup:
         return self.shard.tp
 
+    @property
+    def num_modules(self) -> int:  # the drafter service's Info
+        return self.shard.num_modules
+
     def cache_specs(self, num_steps: int):
         return self.shard.cache_specs(num_steps)
 

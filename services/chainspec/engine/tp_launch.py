@@ -24,6 +24,7 @@ from chainspec.engine.tp_group import (
     leave,
     one_thread,
 )
+from chainspec.models.adapters import adapter_for, draft_config
 from chainspec.models.config import ModelConfig, read_hf_config
 from chainspec.models.tensor_parallel import TPError, check_divides
 from chainspec.models.tp_loader import load_draft_shard, load_target_shard
@@ -79,12 +80,18 @@ class LocalGroup:
             leave()
 
 
-def check_model(model_dir: str | Path, world: int) -> None:
-    """TPError in one line naming the model when `world` cannot shard it."""
+def check_model(model_dir: str | Path, world: int, draft: bool = False) -> None:
+    """TPError in one line naming the model when `world` cannot shard it (`draft`: its
+    MTP layers, as the drafter builds them; a model without any is not judged)."""
     try:
-        check_divides(ModelConfig.from_hf(read_hf_config(model_dir)), world)
+        hf = read_hf_config(model_dir)
+        if not draft:
+            check_divides(ModelConfig.from_hf(hf), world)
+        elif (adapter := adapter_for(hf)) is not None:
+            check_divides(draft_config(hf, adapter), world)
     except TPError as e:
-        raise TPError(f"{model_dir}: {e}") from None
+        what = "its MTP layers: " if draft else ""
+        raise TPError(f"{model_dir}: {what}{e}") from None
 
 
 def start_local_group(model_dir: str | Path, world: int, dtype: torch.dtype = torch.float32,
@@ -96,7 +103,7 @@ def start_local_group(model_dir: str | Path, world: int, dtype: torch.dtype = to
     joined. A step whose peer is lost raises (RuntimeError) within the timeout. `draft`:
     a group of the MTP drafter (rank 0 holds a `DraftLeader`)."""
     source = ShardSource(str(model_dir), dtype, device, cache_len, draft)
-    check_model(model_dir, world)  # before spawning anything
+    check_model(model_dir, world, draft)  # before spawning anything
     address = GroupAddress.local(world, "nccl" if device == "cuda" else "gloo",
                                  collective_timeout_s=collective_timeout_s,
                                  idle_timeout_s=idle_timeout_s)

@@ -1,0 +1,48 @@
+"""`chainspec serve -tp 2 --drafter-tensor-parallel-size 2` (issue 22 item 3 must-show):
+the verifier member is rank 0 of a TP=2 group and the drafter member rank 0 of another,
+whose rank 1 is a Ray actor in the drafter's placement group (`cluster/tp_ranks.py`).
+Greedy output of 16 concurrent streams equals plain decoding by an in-process TP=1
+engine, drafts were accepted, and the drafter reports two ranks."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import ray
+
+from chainspec.cluster.intent import actor_name
+from chainspec.engine.local import DEMO_MODEL
+from chainspec.models.tokenizer import Tokenizer
+from tests.integration import helpers
+from tests.integration.helpers import plain_outputs, prompt_ids, start_serve
+from tests.integration.test_tp_serve import K, STREAMS, TOKENS, complete
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_tp2_drafter_and_tp2_verifier_serve_streams_equal_to_plain(ray_cluster):
+    tok = Tokenizer.from_dir(DEMO_MODEL)
+    ids = prompt_ids(DEMO_MODEL, STREAMS)
+    plain = [tok.decode(t) for t in plain_outputs(DEMO_MODEL, ids, TOKENS)]
+    namespace = "chainspec-tp-drafter-serve"
+    served = start_serve(DEMO_MODEL, namespace, "-k", str(K), "--max-seqs", str(STREAMS),
+                         "-tp", "2", "--drafter-tensor-parallel-size", "2")
+    try:
+        assert "1 drafter(s) connected (speculative decoding on)" in served.output()
+        client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+        with ThreadPoolExecutor(STREAMS) as pool:
+            got = list(pool.map(lambda p: complete(client, p), [tok.decode(i) for i in ids]))
+        drafter = ray.get_actor(actor_name("drafter-0"), namespace=namespace)
+        stats = ray.get(drafter.stats.remote(), timeout=30)
+    finally:
+        served.proc.terminate()
+        served.proc.wait(90)
+        if "stack stopped" not in served.output():
+            helpers.cli(namespace, "down")
+    assert [text for text, _ in got] == plain
+    accepted = sum(s["accepted_tokens"] for _, s in got)
+    drafted = sum(s["draft_tokens"] for _, s in got)
+    assert accepted > 0.1 * drafted > 0, (accepted, drafted)
+    assert stats["ranks"] == 2 and stats["updates"] > 0
