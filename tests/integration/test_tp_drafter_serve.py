@@ -17,7 +17,7 @@ from chainspec.engine.local import DEMO_MODEL
 from chainspec.models.tokenizer import Tokenizer
 from tests.integration import helpers
 from tests.integration.helpers import plain_outputs, prompt_ids, start_serve
-from tests.integration.test_tp_serve import K, STREAMS, TOKENS, complete
+from tests.integration.test_tp_serve import STREAMS, TOKENS, K, complete
 
 pytestmark = pytest.mark.timeout(300)
 
