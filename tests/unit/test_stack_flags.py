@@ -26,7 +26,7 @@ EXAMPLES = {
     "draft_top_k": "4", "use_graphs": None, "max_waiting": "12", "host": "0.0.0.0",
     "namespace": "ns1", "health_interval_s": "2.5", "drain_timeout_s": "9",
     "draft_deadline_s": "0.2", "pipeline_groups": "2", "draft_ahead": None,
-    "scheduling_policy": "priority",
+    "scheduling_policy": "priority", "speculative_depth": "adaptive",
     "drafter.mode": "local", "drafter.replicas": "3", "verifier.replicas": "2",
     "drafter.num_gpus": "0.5", "verifier.num_gpus": "1",
     "verifier.tensor_parallel_size": "2",

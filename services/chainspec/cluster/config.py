@@ -128,6 +128,7 @@ class StackConfig:
     kv_block_size: int = LocalOptions.kv_block_size  # positions per KV block (every engine)
     draft_top_k: int = LocalOptions.draft_top_k  # support of sampled drafts (every engine)
     use_graphs: bool = LocalOptions.use_graphs  # CUDA graphs on GPU members; False: eager
+    speculative_depth: str = LocalOptions.speculative_depth  # fixed K, or adaptive (4.11)
     drafter: DrafterRoleConfig = field(default_factory=DrafterRoleConfig)
     verifier: RoleConfig = field(default_factory=RoleConfig)
     host: str = "127.0.0.1"  # gRPC bind address; 0.0.0.0 advertises the node's IP
@@ -222,6 +223,7 @@ class StackConfig:
             device=self.role(role).device, kv_cache_memory=self.kv_cache_memory,
             kv_cache_fraction=self.kv_cache_fraction, kv_block_size=self.kv_block_size,
             draft_top_k=self.draft_top_k, use_graphs=self.use_graphs,
+            speculative_depth=self.speculative_depth,
             tensor_parallel_size=self.role(role).tensor_parallel_size)
         return opts.for_drafter(self.drafter_max_seqs) if role == "drafter" else opts
 

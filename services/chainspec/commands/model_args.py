@@ -18,11 +18,11 @@ from chainspec.engine.options import LocalOptions
 ENGINE_KEYS = ("model_dir", "num_steps", "chain", "max_seqs", "max_len", "dtype",
                "kv_cache_memory", "kv_cache_fraction", "kv_block_size", "draft_top_k",
                "use_graphs")
-TP_KEYS = (*ENGINE_KEYS, "verifier.tensor_parallel_size")  # generate, bench
+TP_KEYS = (*ENGINE_KEYS, "verifier.tensor_parallel_size", "speculative_depth")  # generate, bench
 DRAFTER_KEYS = (*(k for k in ENGINE_KEYS if k != "max_seqs"), "drafter_max_seqs", "host",
                 "drafter.tensor_parallel_size")
 VERIFIER_KEYS = (*ENGINE_KEYS, "host", "max_waiting", "draft_deadline_s", "pipeline_groups",
-                 "draft_ahead", "scheduling_policy", "drafter.mode")
+                 "draft_ahead", "scheduling_policy", "drafter.mode", "speculative_depth")
 # names the service commands had before the table (kept working): a lone drafter's
 # --max-seqs is its own slots (--drafter-max-seqs of a stack), --host the gRPC address;
 # -tp its own ranks (vLLM's flag; --drafter-tensor-parallel-size of a stack)

@@ -25,7 +25,7 @@ from chainspec.cluster.autoscale import AutoscalePolicy
 from chainspec.cluster.config import ROLES, DrafterRoleConfig, RoleConfig, StackConfig
 from chainspec.commands.server_args import add_token_args, read_token
 from chainspec.engine.admission import SchedulingPolicy
-from chainspec.engine.options import DTYPES, DrafterMode
+from chainspec.engine.options import DTYPES, SPECULATIVE_DEPTHS, DrafterMode
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,10 @@ STACK_FLAGS = (
     StackFlag("draft_ahead", ("--draft-ahead",),
               {"action": "store_true", "help": "verifiers use drafters' look-ahead drafts "
                                                "on a hit (default off)"}),
+    StackFlag("speculative_depth", ("--speculative-depth",),
+              {"choices": list(SPECULATIVE_DEPTHS), "help": "drafts verified per round: "
+               "fixed (K every round; default) or adaptive (k in 0..K per sequence each "
+               "step, to maximise measured tokens per second; DESIGN 4.11)"}),
     StackFlag("scheduling_policy", ("--scheduling-policy",),
               {"choices": [p.value for p in SchedulingPolicy],
                "help": "verifiers' admission order: fcfs (default; a request's priority "

@@ -71,6 +71,7 @@ def verifier_config(opts: LocalOptions, groups: int = 1, draft_ahead: bool = Fal
                           scheduling_policy=scheduling_policy,
                           draft_top_k=opts.draft_top_k, use_graphs=opts.use_graphs,
                           kv=opts.kv_budget,
+                          adaptive_depth=opts.speculative_depth == "adaptive",
                           max_batch_tokens=max(1024, opts.max_seqs * (opts.num_steps + 1)))
 
 

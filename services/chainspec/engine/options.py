@@ -21,6 +21,7 @@ from chainspec.engine.kv_budget import DEFAULT_BLOCK_SIZE, KVBudget
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPECULATIVE_DEPTHS = ("fixed", "adaptive")  # LocalOptions.speculative_depth
 
 
 class DrafterMode(enum.StrEnum):
@@ -48,6 +49,9 @@ class LocalOptions:
     # asks for (one value for both, so a verifier never asks for more than it gets)
     draft_top_k: int = 8
     use_graphs: bool = True  # CUDA graphs for both engines' steps on a GPU; False: eager
+    # draft depth per round: "fixed" (K for every sequence) or "adaptive" (k in 0..K per
+    # sequence each step, engine/adaptive_depth.py); a verifier's choice
+    speculative_depth: str = "fixed"
     # this engine's ranks (engine/tp_group.py): the target's; in a drafter's options
     # (`for_drafter`'s caller) its MTP modules'. An in-process drafter runs at 1. 1: no group
     tensor_parallel_size: int = 1
@@ -58,6 +62,9 @@ class LocalOptions:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.draft_top_k < 1:
             raise ValueError(f"draft_top_k must be >= 1, got {self.draft_top_k}")
+        if self.speculative_depth not in SPECULATIVE_DEPTHS:
+            raise ValueError(f"speculative_depth must be one of {', '.join(SPECULATIVE_DEPTHS)}"
+                             f", got {self.speculative_depth!r}")
         self.kv_budget  # noqa: B018  (validates the KV fields)
 
     @property

@@ -94,6 +94,8 @@ class Request:
         self.stop_string: str | None = None
         self.error: str | None = None
         self.stats = RequestStats(num_steps)
+        self.max_drafts = num_steps  # the request's cap on drafts verified per round
+        self.wants_drafts = True  # adaptive depth (4.11): ask the drafter for next round's
 
     @property
     def prefill_len(self) -> int:

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from chainspec.engine import preemption
+from chainspec.engine.adaptive_depth import AdaptiveDepth
 from chainspec.engine.admission import (
     OWN_PARTY,
     Admission,
@@ -64,6 +65,7 @@ class VerifierConfig:
     kv: KVBudget = field(default_factory=KVBudget)  # paged KV cache size
     use_graphs: bool = True  # CUDA graphs for decode/verify steps when on a GPU
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # admission order
+    adaptive_depth: bool = False  # choose k in 0..K per sequence each step (DESIGN 4.11)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
@@ -108,14 +110,20 @@ class VerifierEngine:
         self.ahead_hits = self.ahead_misses = 0  # look-ahead outcomes (cumulative)
         self._step_ahead = [0, 0]  # this step's hits, misses (for the observer)
         self._turn = 0  # the group whose step is next
+        self.depth = AdaptiveDepth(config.num_steps) if config.adaptive_depth else None
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
                     stop: StopConditions, arrival_s: float | None = None,
-                    admission: Admission = OWN_PARTY) -> None:
+                    admission: Admission = OWN_PARTY,
+                    num_speculative_tokens: int | None = None) -> None:
         """Queue a request. Raises ValueError for input the model cannot take.
         `arrival_s`: when it reached the server (`time.perf_counter()`; default now).
-        `admission`: its priority and party (engine/admission.py)."""
+        `admission`: its priority and party (engine/admission.py).
+        `num_speculative_tokens`: the request's cap on drafts per round (0: none; None or
+        more than K: K)."""
+        if num_speculative_tokens is not None and num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if request_id in self.by_id:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_priority(admission.priority, self.config.scheduling_policy)
@@ -140,6 +148,10 @@ class VerifierEngine:
         req.claims = self.claims.new()
         req.party, req.priority = admission.party or request_id, admission.priority
         req.seeded = sampling.seed is not None
+        if num_speculative_tokens is not None:
+            req.max_drafts = min(num_speculative_tokens, self.config.num_steps)
+            req.wants_drafts = req.max_drafts > 0
+            req.draft_miss = None if req.wants_drafts else "depth"
         self.by_id[request_id] = req
         self.seq_ids[request_id] = self._next_seq_id
         self._next_seq_id += 1
@@ -179,8 +191,11 @@ class VerifierEngine:
         if not work:
             self._observe(started, drafts_ready, (), (), outputs)
             return outputs
+        work = self._choose_depths(work)
+        forward_started = time.perf_counter()
         result = run_verify(self.model, self.cache, work, self.device, self.graphs,
                             self.eos_ids)
+        forward_s = time.perf_counter() - forward_started
         self._take_ahead()  # NOTE: look-aheads that came in during the forward count too
         updates: list[SeqUpdate] = []
         for i, (item, verdict) in enumerate(zip(work, result.verdicts, strict=True)):
@@ -192,9 +207,44 @@ class VerifierEngine:
                 updates.append(upd)
         if updates and self.drafter is not None:
             self.drafter.submit(updates)
+        if self.depth is not None:  # NOTE: before _reap, which forgets finished sequences
+            self._learn_depth(work, result.verdicts, forward_s,
+                              time.perf_counter() - started - forward_s)
         outputs.extend(self._reap())
         self._observe(started, drafts_ready, work, result.verdicts, outputs)
         return outputs
+
+    # -- draft depth (DESIGN 4.11) --------------------------------------------------------
+    def _choose_depths(self, work: list[Work]) -> list[Work]:
+        """Truncate each verify window's drafts to the depth chosen for it: the request's
+        cap, and under adaptive depth the policy's k. NOTE: fewer drafts only: every token
+        is still decided by the acceptance rule, so output cannot change."""
+        verify = [i for i, w in enumerate(work) if w.kind is WorkKind.VERIFY]
+        caps = [work[i].request.max_drafts for i in verify]
+        if self.depth is not None and self.drafter is not None:
+            other = sum(w.num_rows for w in work if w.kind is not WorkKind.VERIFY)
+            keys = [self.seq_ids[work[i].request.request_id] for i in verify]
+            caps = self.depth.depths(keys, caps, other)
+        out = list(work)
+        for i, k in zip(verify, caps, strict=True):
+            w = out[i]
+            w.request.wants_drafts = k > 0
+            if k == 0 and w.num_drafts and w.request.max_drafts > 0:
+                w.request.draft_miss = "depth"  # NOTE: metrics: a fallback by choice
+            if w.num_drafts > k:
+                out[i] = replace(w, tokens=w.tokens[:1 + k], num_drafts=k,
+                                 ahead=w.ahead and k > 0)
+        return out
+
+    def _learn_depth(self, work: Sequence[Work], verdicts, forward_s: float,
+                     other_s: float) -> None:
+        drafted = False
+        for w, verdict in zip(work, verdicts, strict=True):
+            if w.kind is WorkKind.VERIFY and w.num_drafts:
+                drafted = True
+                self.depth.observe_round(self.seq_ids[w.request.request_id], w.num_drafts,
+                                         verdict.accepted)
+        self.depth.observe_step(sum(w.num_rows for w in work), forward_s, other_s, drafted)
 
     def _observe(self, started: float, drafts_ready: float, work, verdicts, outputs) -> None:
         if self.observer is None:
@@ -338,6 +388,8 @@ class VerifierEngine:
                 self.claims.release(req.claims)
             if self.drafter is not None:
                 self.drafter.release([self.seq_ids[req.request_id]])
+            if self.depth is not None:
+                self.depth.forget(self.seq_ids[req.request_id])
             del self.by_id[req.request_id], self.seq_ids[req.request_id]
             if req.finish_reason is FinishReason.ABORT or req.error:
                 outputs.append(RequestOutput(req.request_id, (), req.finish_reason,
@@ -449,7 +501,8 @@ class VerifierEngine:
         verifying = tuple(req.drafts.tokens.tolist()) if ahead and req.drafts_ahead else ()
         # NOTE: the chunk that ends a recompute (after preemption) commits nothing, but
         # drafts for x[N] may follow it.
-        wants = verdict is not None or item.start + rows == req.recompute_len
+        wants = (verdict is not None or item.start + rows == req.recompute_len) and \
+            req.wants_drafts
         return SeqUpdate(self.seq_ids[req.request_id], item.start, tokens, hidden,
                          want_drafts=wants, sampling=self._draft_sampling(req),
                          look_ahead=ahead, verifying=verifying)

@@ -20,7 +20,7 @@ from chainspec.metrics.buckets import E2E_LATENCY_S, REQUEST_LATENCY_S, STEP_S
 from chainspec.metrics.recorder import Recorder
 from chainspec.metrics.service import GrpcServiceMetrics
 
-FALLBACK_REASONS = ("late", "stale", "resync", "no_drafter")
+FALLBACK_REASONS = ("late", "stale", "resync", "no_drafter", "depth")  # depth: chosen k = 0
 DONE = (FinishReason.LENGTH, FinishReason.STOP, FinishReason.EOS)  # completed, not cut off
 
 
@@ -46,6 +46,10 @@ class VerifierMetrics(GrpcServiceMetrics):
                               "Draft tokens accepted at each draft position (0-based)",
                               "position")
         self.accepted_per_pos = [per_pos.child(str(i)) for i in range(num_steps)]
+        depth = rec.counter("chainspec_spec_decode_depth", "Verify rounds by the number of "
+                            "drafts verified (the chosen depth; 0: a plain decode row)",
+                            "depth")
+        self.depth = [depth.child(str(k)) for k in range(num_steps + 1)]
         self.prompt_tokens = rec.counter("chainspec_prompt_tokens",
                                          "Prompt tokens prefilled").child()
         self.generation_tokens = rec.counter("chainspec_generation_tokens",
@@ -132,6 +136,7 @@ class VerifierMetrics(GrpcServiceMetrics):
     def _count_work(self, step: VerifierStepRecord) -> None:
         drafts = draft_tokens = accepted = prompt = 0
         per_pos = [0] * self.num_steps
+        depths = [0] * (self.num_steps + 1)
         for item, verdict in zip(step.work, step.verdicts, strict=True):
             req = item.request
             times = self._requests.get(req.request_id)
@@ -140,7 +145,10 @@ class VerifierMetrics(GrpcServiceMetrics):
                 self.queue_time.observe(step.drafts_s - times.arrival_s)
             if item.kind is WorkKind.PREFILL:
                 prompt += item.num_rows
-            elif item.num_drafts:
+                continue
+            if step.speculative:
+                depths[item.num_drafts] += 1
+            if item.num_drafts:
                 drafts += 1
                 draft_tokens += item.num_drafts
                 accepted += verdict.accepted
@@ -155,6 +163,8 @@ class VerifierMetrics(GrpcServiceMetrics):
         self.draft_tokens.value += draft_tokens
         self.accepted.value += accepted
         for child, n in zip(self.accepted_per_pos, per_pos, strict=True):
+            child.value += n
+        for child, n in zip(self.depth, depths, strict=True):
             child.value += n
 
     def _count_ahead(self, drafts: int, accepted: int) -> None:

@@ -1,0 +1,107 @@
+"""The demo model under adaptive draft depth (DESIGN 4.11): greedy output equals plain at
+batch 1, 3 and 8, whatever depths the policy picks -- its own choices, and random
+depths 0..K forced on every round -- and a request's cap is honoured."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from chainspec.engine.local import build_verifier
+from chainspec.engine.request import StopConditions
+from chainspec.engine.runner import merged_stats, run_to_completion
+from chainspec.engine.sampling import SamplingParams
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0)
+STOP = StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+class RandomDepth:
+    """A stand-in policy choosing k uniformly in 0..cap: output must not depend on it."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.chosen: list[int] = []
+
+    def depths(self, keys, caps, other_rows=0):
+        out = [self.rng.randint(0, cap) for cap in caps]
+        self.chosen += out
+        return out
+
+    def observe_round(self, key, num_drafts, accepted):
+        pass
+
+    def observe_step(self, rows, forward_s, other_s, drafted):
+        pass
+
+    def forget(self, key):
+        pass
+
+
+def run(eng, prompts, batch):
+    tokens, completions = [], []
+    for i in range(0, len(prompts), batch):
+        result = run_to_completion(eng, prompts[i:i + batch], GREEDY, STOP)
+        tokens += [c.tokens for c in result.completions]
+        completions += result.completions
+    return tokens, completions
+
+
+@pytest.fixture(scope="module")
+def plain(demo_models, heldout_prompts):
+    opts, models = demo_models
+    return run(build_verifier(models, opts, False), heldout_prompts, 8)[0]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_adaptive_depth_equals_plain(demo_models, heldout_prompts, plain, batch):
+    opts, models = demo_models
+    opts = dataclasses.replace(opts, num_steps=3, speculative_depth="adaptive")
+    eng = build_verifier(models, opts, True)
+    assert eng.depth is not None
+    tokens, completions = run(eng, heldout_prompts, batch)
+    assert tokens == plain
+    stats = merged_stats(completions, opts.num_steps)
+    assert stats.draft_tokens > 0  # the policy did verify drafts
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_random_depths_equal_plain(demo_models, heldout_prompts, plain, batch):
+    opts, models = demo_models
+    opts = dataclasses.replace(opts, num_steps=3, speculative_depth="adaptive")
+    eng = build_verifier(models, opts, True)
+    eng.depth = RandomDepth(batch)
+    tokens, completions = run(eng, heldout_prompts, batch)
+    assert tokens == plain
+    assert set(eng.depth.chosen) == {0, 1, 2, 3}  # every depth was at stake
+    stats = merged_stats(completions, opts.num_steps)
+    assert stats.accepted_tokens > 0.2 * stats.draft_tokens
+
+
+@pytest.mark.parametrize("depth", ["fixed", "adaptive"])
+def test_request_cap_is_honoured(demo_models, heldout_prompts, plain, depth):
+    """Cap 0: no drafts verified, the drafter not asked; cap 1: at most one per round."""
+    opts, models = demo_models
+    opts = dataclasses.replace(opts, num_steps=3, speculative_depth=depth)
+    eng = build_verifier(models, opts, True)
+    prompts = heldout_prompts[:4]
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"r{i}", prompt, GREEDY, STOP, num_speculative_tokens=[0, 1, 0, 1][i])
+    done = {}
+    while eng.has_work:
+        for out in eng.step():
+            done.setdefault(out.request_id, []).extend(out.new_tokens)
+            if out.stats is not None:
+                done[out.request_id + "/stats"] = out.stats
+    for i in range(4):
+        assert done[f"r{i}"] == plain[i]
+        stats = done[f"r{i}/stats"]
+        if i % 2 == 0:
+            assert (stats.rounds, stats.draft_tokens) == (0, 0)
+        else:
+            assert stats.rounds > 0 and stats.draft_tokens == stats.rounds  # one each
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        eng.add_request("bad", prompts[0], GREEDY, STOP, num_speculative_tokens=-1)
