@@ -19,6 +19,7 @@ import ray
 
 from chainspec.cluster.config import CONTROLLER_NAME, StackConfig
 from chainspec.cluster.plain_target import no_mtp_reason
+from chainspec.cluster.tp_ranks import hosted_group
 from chainspec.engine.factory import TimedDrafterEngine, load_drafter
 from chainspec.metrics.drafter import DrafterMetrics
 from chainspec.metrics.verifier import VerifierMetrics
@@ -161,7 +162,29 @@ class DrafterActor(_ServiceActor):
 
 
 class VerifierActor(_ServiceActor):
+    """A verifier member; at TP = N it is rank 0 of a group whose ranks 1.. are actors it
+    owns in its placement group (`cluster/tp_ranks.py`). A dead rank fails the member:
+    NOT_SERVING, then the process exits and Ray restarts it, which replaces every rank
+    (they die with their owner)."""
+
     role = "verifier"
+    group_failure: str | None = None
+
+    @ray.method(enable_task_events=False)  # periodic: see controller.py
+    async def ping(self) -> dict[str, Any]:
+        """`_ServiceActor.ping`, plus `ranks` at TP > 1 (rank, pid, node, state each)."""
+        group = hosted_group()
+        ranks = group.rank_states() if group is not None else None
+        dead = [r["rank"] for r in ranks or () if r["state"] == "dead"]
+        if dead and self.group_failure is None and self.server is not None:
+            self.group_failure = f"tensor-parallel rank(s) {dead} of this verifier died"
+            await self.server.running.set_serving(False)
+            self._engine_failed(self.group_failure)
+        info = await super().ping()
+        if self.group_failure is not None:
+            info.update(serving=False, error=info["error"] or self.group_failure)
+        return {**info, "ranks": ranks}
+
 
     @property
     def load(self) -> int:

@@ -41,6 +41,9 @@ class RoleConfig:
     #                actor of the role per node (Kubernetes: one per pod, so probes work).
     metrics_port: int | None = 0  # Prometheus endpoint of each actor, like `port`; null: off
     tensor_parallel_size: int = 1  # ranks of one member (DESIGN 4.10; -tp)
+    # a member's TP step whose peer rank is dead or hung fails after this (the member then
+    # restarts as a group)
+    collective_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
@@ -54,6 +57,8 @@ class RoleConfig:
             raise ValueError("num_gpus and num_cpus must be >= 0, resource_amount > 0")
         if self.max_restarts < -1:
             raise ValueError(f"max_restarts must be >= -1, got {self.max_restarts}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, "
                              f"got {self.tensor_parallel_size}")
@@ -224,7 +229,8 @@ class StackConfig:
             kv_cache_fraction=self.kv_cache_fraction, kv_block_size=self.kv_block_size,
             draft_top_k=self.draft_top_k, use_graphs=self.use_graphs,
             speculative_depth=self.speculative_depth,
-            tensor_parallel_size=self.role(role).tensor_parallel_size)
+            tensor_parallel_size=self.role(role).tensor_parallel_size,
+            collective_timeout_s=self.role(role).collective_timeout_s)
         return opts.for_drafter(self.drafter_max_seqs) if role == "drafter" else opts
 
     def to_dict(self) -> dict[str, Any]:

@@ -39,11 +39,24 @@ import time
 from typing import Any
 
 import ray
+from ray.util.placement_group import (
+    get_placement_group,
+    placement_group,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from chainspec.cluster.actors import DrafterActor, VerifierActor
 from chainspec.cluster.config import MEMBER_ROLES, ROLES, StackConfig
 from chainspec.cluster.controller_autoscale import AutoscalingMixin
-from chainspec.cluster.intent import MEMBER_NAME, Intent, IntentStore, actor_name, role_of
+from chainspec.cluster.intent import (
+    MEMBER_NAME,
+    Intent,
+    IntentStore,
+    actor_name,
+    group_name,
+    role_of,
+)
 from chainspec.cluster.membership import Member, MemberState
 from chainspec.cluster.plain_target import refuse_drafters
 
@@ -51,6 +64,7 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # longest wait for new members to load their model
 FORGET_AFTER = 10  # health timeouts after which a silent external member is dropped
+TP_MIN_CPUS = 0.01  # a rank's bundle when the role asks for no CPUs (none may be empty)
 
 
 class Controller(AutoscalingMixin):
@@ -232,6 +246,7 @@ class Controller(AutoscalingMixin):
         try:
             handle = ray.get_actor(actor_name(member_id), namespace=self.config.namespace)
         except ValueError:  # gone for good (killed, or out of restarts)
+            _remove_group(member_id)  # a TP group's placement group, if one was left
             self.intent.forget(member_id)
             return
         member = Member(member_id, role_of(member_id))
@@ -279,12 +294,16 @@ class Controller(AutoscalingMixin):
         self._save()  # NOTE: before the actor exists, so no restart can lose track of it
         rc = self.config.role(role)
         cls = DrafterActor if role == "drafter" else VerifierActor
+        resources = role_resources(self.config, role, ray.cluster_resources())
+        placement: dict[str, Any] = {"num_cpus": rc.num_cpus, "resources": resources}
+        if role == "verifier" and rc.tensor_parallel_size > 1:
+            self.intent.group_sizes[member.member_id] = rc.tensor_parallel_size
+            self._save()  # NOTE: before the group exists, as above
+            placement = verifier_group(member.member_id, rc, resources)
         handle = ray.remote(cls).options(
             name=actor_name(member.member_id), namespace=self.config.namespace,
             lifetime="detached", max_restarts=rc.max_restarts, num_gpus=rc.num_gpus,
-            num_cpus=rc.num_cpus,
-            resources=role_resources(self.config, role, ray.cluster_resources())
-        ).remote(member.member_id, self.config)
+            **placement).remote(member.member_id, self.config)
         self._members[member.member_id], self._handles[member.member_id] = member, handle
         self._start_task(self._monitor(member))
         self._bump()
@@ -362,6 +381,7 @@ class Controller(AutoscalingMixin):
         self._heartbeats.pop(member_id, None)
         if handle is not None:
             ray.kill(handle, no_restart=True)
+        _remove_group(member_id)  # a TP verifier's ranks' bundles (its ranks died with it)
         if self.intent.forget(member_id):  # NOTE: after the kill, never before
             self._save()
         self._bump()
@@ -410,3 +430,27 @@ def _kill_members(namespace: str, member_ids: list[str]) -> None:
     for name in names:
         with contextlib.suppress(ValueError):  # already gone
             ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+        _remove_group(name.removeprefix("chainspec-"))
+
+
+def verifier_group(member_id: str, rc, resources: dict[str, float]) -> dict[str, Any]:
+    """The actor options of a TP=N verifier (DESIGN 4.10): rank 0 in bundle 0 of a
+    detached STRICT_PACK placement group of N bundles (one node), one per rank, each with
+    the role's CPUs (at least a token share) and a GPU per rank on GPUs; the role's custom
+    resource in bundle 0. Detached, so the group outlives a restarting controller; rank 0
+    starts ranks 1.. in bundles 1.. itself (`cluster/tp_ranks.start_in_own_group`)."""
+    cpus = max(rc.num_cpus, TP_MIN_CPUS)
+    bundle = {"CPU": cpus, **({"GPU": 1.0} if rc.num_gpus > 0 else {})}
+    bundles = [{**bundle, **resources}] + [dict(bundle) for _ in
+                                           range(rc.tensor_parallel_size - 1)]
+    pg = placement_group(bundles, strategy="STRICT_PACK", name=group_name(member_id),
+                         lifetime="detached")
+    return {"num_cpus": cpus, "resources": resources,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=0)}
+
+
+def _remove_group(member_id: str) -> None:
+    """Remove a TP member's placement group (by name), if there is one."""
+    with contextlib.suppress(Exception):  # none (TP = 1), or removed already
+        remove_placement_group(get_placement_group(group_name(member_id)))

@@ -28,6 +28,11 @@ def actor_name(member_id: str) -> str:
     return f"chainspec-{member_id}"
 
 
+def group_name(member_id: str) -> str:
+    """The detached placement group of a TP member's ranks (in the stack's namespace)."""
+    return f"{actor_name(member_id)}-ranks"
+
+
 def role_of(member_id: str) -> str:
     return member_id.rsplit("-", 1)[0]
 
@@ -43,6 +48,7 @@ class Intent:
     epoch: int = 0  # controller incarnations of this stack (versions stay monotonic)
     autoscale: dict | None = None  # the drafter AutoscalePolicy in force; None: fixed count
     last_decision: dict | None = None  # the autoscaler's last Decision
+    group_sizes: dict[str, int] = field(default_factory=dict)  # member -> ranks (TP > 1)
 
     @classmethod
     def fresh(cls, config: StackConfig, stack_id: str) -> Intent:
@@ -60,6 +66,7 @@ class Intent:
         listed = member_id in self.members
         self.members = [m for m in self.members if m != member_id]
         self.draining = [m for m in self.draining if m != member_id]
+        self.group_sizes.pop(member_id, None)
         return listed
 
     def to_json(self) -> bytes:

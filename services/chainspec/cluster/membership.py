@@ -29,6 +29,7 @@ class Member:
     error: str | None = None
     links: dict[str, str] | None = None  # a verifier's drafter endpoint -> link state
     drafter_mode: str | None = None  # a verifier's: remote (drafter actors) or local
+    ranks: list[dict[str, Any]] | None = None  # a TP member's ranks: rank, pid, node, state
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -49,6 +50,7 @@ class Member:
         self.metrics_url = info.get("metrics_url", self.metrics_url)
         self.links = info.get("links", self.links)
         self.drafter_mode = info.get("drafter_mode", self.drafter_mode)
+        self.ranks = info.get("ranks", self.ranks)
         if self.state is not MemberState.DRAINING:
             if info["error"]:
                 self.state = MemberState.DEAD

@@ -31,6 +31,7 @@ import ray
 
 from chainspec.cluster.config import CONTROLLER_NAME, NAMESPACE, StackConfig
 from chainspec.cluster.controller import START_TIMEOUT_S, Controller
+from chainspec.cluster.controller import _remove_group as remove_group
 from chainspec.cluster.intent import IntentStore, actor_name
 from chainspec.cluster.plain_target import serve_plainly
 
@@ -362,6 +363,7 @@ def _kill_orphans(namespace: str) -> int:
             killed += 1
         except ValueError:
             pass
+        remove_group(member_id)  # a TP verifier's placement group
     store.clear()
     return killed
 

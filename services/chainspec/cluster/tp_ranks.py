@@ -43,6 +43,12 @@ class TPRank:
         self.source = dataclasses.replace(source, device="cuda:0") \
             if source.device == "cuda" else source
 
+    def info(self) -> dict:
+        """This rank's process: pid and node (asked before `serve`, which holds the actor)."""
+        import os
+
+        return {"rank": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address()}
+
     def serve(self) -> int:
         one_thread()
         tp, channel = join(self.address, self.rank)
@@ -60,6 +66,20 @@ class RayGroup:
     pg: object
     ranks: list = field(default_factory=list)
     served: list = field(default_factory=list)  # ObjectRefs of the ranks' `serve`
+    infos: list = field(default_factory=list)  # each rank > 0's pid and node
+    owns_pg: bool = True  # False: the stack's placement group, removed by the controller
+
+    def rank_states(self) -> list[dict]:
+        """Every rank (0 = this process): rank, pid, node, state (alive; dead: its `serve`
+        ended, which a live group's never does)."""
+        import os
+
+        ended, _ = ray.wait(self.served, num_returns=len(self.served), timeout=0)
+        ended = set(ended)
+        rows = [{"rank": 0, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+                 "state": "alive"}]
+        return rows + [{**info, "state": "dead" if ref in ended else "alive"}
+                       for info, ref in zip(self.infos, self.served, strict=True)]
 
     def close(self) -> list[int]:
         """Stop the ranks; returns each rank's forward count (-1: it failed)."""
@@ -75,7 +95,8 @@ class RayGroup:
                 counts.append(-1)
         for actor in self.ranks:
             ray.kill(actor)
-        remove_placement_group(self.pg)
+        if self.owns_pg:
+            remove_placement_group(self.pg)
         leave()
         return counts
 
@@ -100,3 +121,42 @@ def start_ray_group(model_dir: str | Path, world: int, dtype: torch.dtype = torc
     tp, channel = join(address, 0)
     leader = (DraftLeader if draft else TPLeader)(source.load(tp), channel)
     return RayGroup(leader, pg, ranks, served)
+
+
+_hosted: list[RayGroup] = []  # the group this process leads as rank 0 (a stack member)
+
+
+def hosted_group() -> RayGroup | None:
+    """The TP group this process leads, if it started one in its placement group."""
+    return _hosted[-1] if _hosted else None
+
+
+def start_in_own_group(source: ShardSource, world: int,
+                       collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> RayGroup | None:
+    """Rank 0 inside an actor placed in bundle 0 of a placement group of `world` bundles
+    (the controller's, `cluster/controller.py`): ranks 1.. as `TPRank` actors in bundles
+    1.., each asking for its bundle's CPUs and GPU (one a rank on GPUs). The ranks are
+    owned by this actor, so they die with it and a restart replaces the whole group.
+    None outside such a placement group."""
+    from ray.util import get_current_placement_group
+
+    pg = get_current_placement_group() if ray.is_initialized() else None
+    if pg is None or len(pg.bundle_specs) < world:
+        return None
+    check_model(source.model_dir, world)
+    address = GroupAddress(ray.util.get_node_ip_address(), free_port(), world,
+                           "nccl" if source.device == "cuda" else "gloo", collective_timeout_s)
+    ranks = [TPRank.options(num_cpus=pg.bundle_specs[r].get("CPU", 0.0),
+                            num_gpus=pg.bundle_specs[r].get("GPU", 0.0),
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                pg, placement_group_bundle_index=r)
+                            ).remote(address, r, source) for r in range(1, world)]
+    infos = [rank.info.remote() for rank in ranks]
+    served = [rank.serve.remote() for rank in ranks]
+    one_thread()
+    tp, channel = join(address, 0)
+    leader = TPLeader(source.load(tp), channel)
+    group = RayGroup(leader, pg, ranks, served, ray.get(infos, timeout=READY_TIMEOUT_S),
+                     owns_pg=False)
+    _hosted.append(group)
+    return group

@@ -37,9 +37,17 @@ def load_target_model(opts: LocalOptions) -> TargetModel:
     """The target; with tensor_parallel_size N > 1, rank 0's `TPLeader` of a group whose
     other ranks run in processes of their own (closed at exit)."""
     if opts.tensor_parallel_size > 1:
-        from chainspec.engine.tp_launch import start_local_group
-        group = start_local_group(opts.model_dir, opts.tensor_parallel_size,
-                                  DTYPES[opts.dtype], opts.device, opts.max_len)
+        # NOTE: a stack member placed by the controller in a placement group of N bundles
+        # hosts its ranks as Ray actors there (cluster/tp_ranks.py); else processes
+        from chainspec.cluster.tp_ranks import start_in_own_group
+        from chainspec.engine.tp_launch import ShardSource, start_local_group
+        source = ShardSource(str(opts.model_dir), DTYPES[opts.dtype], opts.device,
+                             opts.max_len)
+        group = start_in_own_group(source, opts.tensor_parallel_size,
+                                   opts.collective_timeout_s) or \
+            start_local_group(opts.model_dir, opts.tensor_parallel_size,
+                              DTYPES[opts.dtype], opts.device, opts.max_len,
+                              collective_timeout_s=opts.collective_timeout_s)
         atexit.register(group.close)
         return group.leader
     return load_target(opts.model_dir, DTYPES[opts.dtype], opts.device, cache_len=opts.max_len)

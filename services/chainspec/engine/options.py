@@ -55,6 +55,7 @@ class LocalOptions:
     # this engine's ranks (engine/tp_group.py): the target's; in a drafter's options
     # (`for_drafter`'s caller) its MTP modules'. An in-process drafter runs at 1. 1: no group
     tensor_parallel_size: int = 1
+    collective_timeout_s: float = 60.0  # a TP step whose peer is lost fails after this
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
