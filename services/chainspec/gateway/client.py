@@ -66,6 +66,7 @@ class GenerationSpec:
     processing: Processing = field(default_factory=lambda: Processing())
     priority: int = 0  # admission priority (vLLM's; the verifier's policy decides)
     parent_request_id: str = ""  # the client request this is one choice of (fanout)
+    num_speculative_tokens: int | None = None  # cap on drafts per round (None: K; 0: off)
 
 
     def message(self) -> pb.GenerateRequest:
@@ -88,6 +89,8 @@ class GenerationSpec:
         self.processing.fill(req.sampling)
         req.stop.ignore_eos = self.ignore_eos
         req.priority, req.parent_request_id = self.priority, self.parent_request_id
+        if self.num_speculative_tokens is not None:
+            req.num_speculative_tokens = self.num_speculative_tokens
         return req
 
 

@@ -51,6 +51,7 @@ class GenerateArgs:
     stop: StopConditions
     include_stop_str: bool = False  # the matched stop string stays in the text
     admission: Admission = OWN_PARTY  # priority and party (engine/admission.py)
+    num_speculative_tokens: int | None = None  # the request's cap on drafts per round
 
 
 def parse_generate(req: pb.GenerateRequest, limits: GenerateLimits,
@@ -62,7 +63,9 @@ def parse_generate(req: pb.GenerateRequest, limits: GenerateLimits,
         raise invalid(f"sampling.min_tokens: must be <= stop.max_tokens ({wanted}), got "
                       f"{sampling.min_tokens}")
     return GenerateArgs(req.request_id, prompt, sampling, _stop(req, limits, len(prompt)),
-                        req.stop.include_stop_str_in_output, _admission(req, limits))
+                        req.stop.include_stop_str_in_output, _admission(req, limits),
+                        req.num_speculative_tokens
+                        if req.HasField("num_speculative_tokens") else None)
 
 
 def _admission(req: pb.GenerateRequest, limits: GenerateLimits) -> Admission:

@@ -129,7 +129,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                                  args.include_stop_str)
         try:
             async for out in self.engine.generate(rid, args.prompt, args.sampling, args.stop,
-                                                  args.admission):
+                                                  args.admission,
+                                                  args.num_speculative_tokens):
                 for message in writer.messages(out):
                     yield message
         except RequestIdInUse:
