@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from chainspec.gateway.client import GenerationStream
 from chainspec.gateway.errors import APIError
 from chainspec.gateway.fanout import merge_stats
-from chainspec.gateway.logprobs import TokenText, token_id_text
+from chainspec.gateway.logprobs import TokenBytes, TokenText, token_id_text
 from chainspec.gateway.responses import Envelope, Format, finish_reason, full_body
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 
@@ -23,10 +23,13 @@ class Shape:
     echo: str = ""  # before the output: the prompt (completions) or the last message (chat)
     logprobs: bool = False  # show the tokens' logprobs
     token_text: TokenText = token_id_text
+    token_bytes: TokenBytes | None = None  # None: the UTF-8 of token_text
 
     def logprobs_of(self, fmt: type[Format], lps: Sequence[pb.TokenLogprob],
                     offset: int) -> dict | None:
-        return fmt.logprobs(lps, self.token_text, offset) if self.logprobs else None
+        if not self.logprobs:
+            return None
+        return fmt.logprobs(lps, self.token_text, offset, self.token_bytes)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
 def token_id_text(token: int) -> str:
@@ -33,11 +34,14 @@ def completion_logprobs(lps: Sequence[pb.TokenLogprob], text: TokenText,
             "text_offset": offsets}
 
 
-def chat_logprobs(lps: Sequence[pb.TokenLogprob], text: TokenText) -> dict[str, Any]:
-    """`/v1/chat/completions`: one entry per token with its top alternatives."""
+def chat_logprobs(lps: Sequence[pb.TokenLogprob], text: TokenText,
+                  raw: TokenBytes | None = None) -> dict[str, Any]:
+    """`/v1/chat/completions`: one entry per token with its top alternatives. `bytes`:
+    the token's own bytes (`raw`, gateway/token_bytes.py), else the UTF-8 of its text."""
     def entry(token: int, logprob: float) -> dict[str, Any]:
         s = text(token)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": logprob,
+                "bytes": list(raw(token) if raw is not None else s.encode("utf-8"))}
     return {"content": [{**entry(lp.token_id, lp.logprob),
                          "top_logprobs": [entry(t.token_id, t.logprob)
                                           for t in lp.top_logprobs]} for lp in lps]}

@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from chainspec.gateway.errors import APIError
-from chainspec.gateway.logprobs import TokenText, chat_logprobs, completion_logprobs
+from chainspec.gateway.logprobs import (
+    TokenBytes,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+)
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 
 FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
@@ -74,7 +79,8 @@ class CompletionFormat:
         return CompletionFormat.choice(text or "", finish, index, logprobs)
 
     @staticmethod
-    def logprobs(lps, text: TokenText, offset: int) -> dict[str, Any]:
+    def logprobs(lps, text: TokenText, offset: int, raw: TokenBytes | None = None
+                 ) -> dict[str, Any]:
         return completion_logprobs(lps, text, offset)
 
 
@@ -101,8 +107,9 @@ class ChatFormat:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     @staticmethod
-    def logprobs(lps, text: TokenText, offset: int) -> dict[str, Any]:
-        return chat_logprobs(lps, text)
+    def logprobs(lps, text: TokenText, offset: int, raw: TokenBytes | None = None
+                 ) -> dict[str, Any]:
+        return chat_logprobs(lps, text, raw)
 
 
 Format = CompletionFormat | ChatFormat

@@ -14,6 +14,8 @@ from chainspec.gateway.chat_template import Turn
 from chainspec.gateway.choices import Shape
 from chainspec.gateway.responses import ChatFormat, CompletionFormat
 from chainspec.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
+from chainspec.gateway.tokenize import detokenize, parse_detokenize, parse_tokenize, tokenize
+from chainspec.version import chainspec_version
 
 router = APIRouter()
 
@@ -51,18 +53,42 @@ async def chat_completions(request: Request) -> Response:
 
 
 def shape_of(gateway: Gateway, body, echo: str) -> Shape:
-    return Shape(echo, body.num_logprobs is not None, gateway.chat.token_text)
+    return Shape(echo, body.num_logprobs is not None, gateway.chat.token_text,
+                 gateway.token_bytes)
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": _gateway(request).model_cards()})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str) -> JSONResponse:
+    return JSONResponse(_gateway(request).model_card(model_id))
+
+
+@router.post("/tokenize")
+async def tokenize_route(request: Request) -> JSONResponse:
     gateway = _gateway(request)
-    infos, alias = gateway.pool.model_infos(), bool(gateway.config.model_name)
-    data = [{"id": name, "object": "model", "created": gateway.started, "owned_by": "chainspec",
-             "max_model_len": max((i.max_model_len for i in infos
-                                   if alias or i.model_name == name), default=None)}
-            for name in gateway.model_names()]
-    return JSONResponse({"object": "list", "data": data})
+    body = parse_tokenize(await read_json(request))
+    if body.model is not None:
+        gateway.resolve_model(body.model)
+    return JSONResponse(await tokenize(gateway.chat, body, gateway.max_model_len(),
+                                       gateway.config.trust_request_chat_template))
+
+
+@router.post("/detokenize")
+async def detokenize_route(request: Request) -> JSONResponse:
+    gateway = _gateway(request)
+    body = parse_detokenize(await read_json(request))
+    if body.model is not None:
+        gateway.resolve_model(body.model)
+    return JSONResponse(detokenize(gateway.chat, body))
+
+
+@router.get("/version")
+async def version(request: Request) -> JSONResponse:
+    return JSONResponse({"version": chainspec_version()})
 
 
 @router.get("/health")
