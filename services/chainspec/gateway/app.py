@@ -21,13 +21,14 @@ from chainspec.gateway.client import (
     prompt_only,
 )
 from chainspec.gateway.config import GatewayConfig
-from chainspec.gateway.errors import invalid, overloaded, unavailable
+from chainspec.gateway.errors import APIError, invalid, overloaded, unavailable
 from chainspec.gateway.fanout import choice_specs, open_all
 from chainspec.gateway.metrics import GatewayMetrics
 from chainspec.gateway.responses import Envelope, Format
 from chainspec.gateway.routing import VerifierPool
 from chainspec.gateway.sse import HEADERS, EventStreamResponse, stream_events
 from chainspec.gateway.strict_json import StrictJSONResponse
+from chainspec.gateway.token_bytes import token_bytes_of
 from chainspec.metrics.discovery import http_sd_groups
 
 CLIENT_GONE = 499  # nginx's code for "the client closed the request"
@@ -44,6 +45,7 @@ class Gateway:
         self.metrics.routing.pool = pool
         self.in_flight = 0
         self.started = int(time.time())
+        self.token_bytes = token_bytes_of(chat.tokenizer, chat.token_text)
 
     def metrics_targets(self) -> list[dict[str, Any]]:
         """Prometheus http_sd target groups: every live member's metrics endpoint."""
@@ -54,6 +56,30 @@ class Gateway:
         if self.config.model_name:
             return [self.config.model_name] if self.pool.ready else []
         return sorted({info.model_name for info in self.pool.model_infos()})
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """vLLM's ModelCard per served name: `root` the model the verifiers load (their
+        name), `parent` None (no adapters), `max_model_len` the longest they take."""
+        infos, alias = self.pool.model_infos(), bool(self.config.model_name)
+        cards = []
+        for name in self.model_names():
+            mine = sorted((i for i in infos if alias or i.model_name == name),
+                          key=lambda i: i.model_name)
+            cards.append({"id": name, "object": "model", "created": self.started,
+                          "owned_by": "chainspec",
+                          "root": mine[0].model_name if mine else name, "parent": None,
+                          "max_model_len": max((i.max_model_len for i in mine),
+                                               default=None)})
+        return cards
+
+    def model_card(self, model_id: str) -> dict[str, Any]:
+        """One card, or 404 naming the id and the served ones."""
+        for card in self.model_cards():
+            if card["id"] == model_id:
+                return card
+        served = ", ".join(repr(n) for n in self.model_names()) or "none yet"
+        raise APIError(404, f"model: {model_id!r} does not exist; this server serves "
+                            f"{served}", "invalid_request_error", "model", "model_not_found")
 
     def resolve_model(self, requested: str | None) -> str:
         names = self.model_names()
@@ -119,11 +145,11 @@ class Gateway:
 
     async def _open(self, spec: GenerationSpec, fmt: type[Format]) -> GenerationStream:
         if spec.max_tokens == 0:  # echo alone (schemas allow 0 only then): no verifier
-            return await prompt_only(spec, self.chat.tokenizer, self._max_model_len())
+            return await prompt_only(spec, self.chat.tokenizer, self.max_model_len())
         return await open_generation(self.pool, spec, fmt.prompt_field,
                                      self.config.request_timeout_s, self.config.retry_after_s)
 
-    def _max_model_len(self) -> int | None:
+    def max_model_len(self) -> int | None:
         return max((i.max_model_len for i in self.pool.model_infos()), default=None) or None
 
     def _admit(self) -> None:

@@ -6,7 +6,7 @@ parameter: 400 naming it; never ignored silently). vLLM extensions honoured: `to
 (0 or -1: off), `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
 `request_id`, chat `echo`, `add_generation_prompt`, `continue_final_message`,
 `chat_template`, `chat_template_kwargs`. Defaults follow OpenAI: temperature 1, top_p 1;
-completions default to 16 tokens, chat to the verifier's default (both clamped to the
+completions default to 16 tokens, chat to the rest of the context (both clamped to the
 context the prompt leaves).
 
 Types are strict: a boolean is JSON true/false, a number a JSON number (`"yes"`, `1` for a
@@ -49,6 +49,7 @@ INT32 = 2 ** 31  # bound of the wire's priority (exclusive, both signs)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 UINT32 = 2 ** 32  # bounds of the wire's integer fields (exclusive)
 UINT64 = 2 ** 64
+REST_OF_CONTEXT = UINT32 - 1  # chat's default max_tokens: the verifier clamps it to the context
 
 FLOAT32_TINY = 2.0 ** -126  # float32's smallest normal number (1.1754944e-38)
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy
@@ -296,9 +297,10 @@ class ChatCompletionRequest(_Sampling):
                                                         "assistant's")
 
     @property
-    def output_limit(self) -> int | None:
-        """None: the verifier's default."""
-        return self.max_completion_tokens or self.max_tokens
+    def output_limit(self) -> int:
+        """Unset: the rest of the context (vLLM's default; the verifier clamps every
+        max_tokens to the context the prompt leaves)."""
+        return self.max_completion_tokens or self.max_tokens or REST_OF_CONTEXT
 
     @property
     def num_logprobs(self) -> int | None:
