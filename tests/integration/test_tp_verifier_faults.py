@@ -4,7 +4,9 @@ both with pid, node and state, and the intent records the group's size. SIGKILL 
 under 16 streams: no stream hangs -- each completes equal to plain decoding or ends
 UNAVAILABLE within the collective timeout (this stack's only verifier is gone) -- the
 member turns dead, the group restarts as a unit (both ranks new processes) and serves
-16 streams equal to plain again."""
+16 streams equal to plain again. Through the gateway with two TP=2 verifiers, the
+streams on the killed one end with an error naming the cause, the rest and every
+request sent after the kill complete on the other verifier equal to plain."""
 
 from __future__ import annotations
 
@@ -112,3 +114,86 @@ def test_a_killed_rank_fails_fast_and_the_group_restarts_as_a_unit(up, model_dir
         t.join(90)
     channel.close()
     assert [got for got, _ in results] == plain
+
+
+def test_through_the_gateway_requests_fail_over_to_the_other_tp_verifier(ray_cluster, model_dir,
+                                                                        tmp_path) -> None:
+    """`chainspec serve` with two TP=2 verifiers: SIGKILL rank 1 of one under 16 streams.
+    Streams on it end with a clear 503 (none hangs), the others complete equal to plain;
+    16 requests sent right after the kill all complete on the other verifier, and the
+    killed group comes back with new ranks."""
+    import openai
+
+    from chainspec.models.tokenizer import Tokenizer
+    from tests.integration import helpers
+
+    ns = "chainspec-tp-failover-test"
+    cfg = tmp_path / "stack.yaml"
+    cfg.write_text(f"verifier: {{replicas: 2, tensor_parallel_size: 2, "
+                   f"collective_timeout_s: {COLLECTIVE_TIMEOUT_S}}}\n"
+                   "drafter: {mode: local, replicas: 0}\n"
+                   "health_interval_s: 0.5\nhealth_timeout_s: 3.0\n")
+    tok = Tokenizer.from_dir(model_dir)
+    ids = prompt_ids(model_dir, STREAMS)
+    texts = [tok.decode(i) for i in ids]
+    plain = [tok.decode(t) for t in plain_outputs(model_dir, ids, TOKENS)]
+    served = helpers.start_serve(model_dir, ns, "--config", str(cfg), "--max-seqs",
+                                 str(STREAMS))
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    results: list = [None] * STREAMS
+
+    def stream(i: int) -> None:
+        t0, text = time.monotonic(), ""
+        try:
+            for chunk in client.completions.create(
+                    model=openai.NOT_GIVEN, prompt=texts[i], max_tokens=TOKENS,
+                    temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                text += chunk.choices[0].text if chunk.choices else ""
+            results[i] = (text, time.monotonic() - t0)
+        except openai.APIError as e:
+            results[i] = (e, time.monotonic() - t0)
+
+    def complete(i: int) -> str:
+        return client.completions.create(model=openai.NOT_GIVEN, prompt=texts[i],
+                                         max_tokens=TOKENS, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+    try:
+        victim = wait_for(lambda: next((m for m in stack.status(namespace=ns)
+                                        if m["member_id"] == "verifier-0"
+                                        and m["state"] == "ready"
+                                        and len(m.get("ranks") or []) == 2), None),
+                          60, "verifier-0 with its two ranks")
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(STREAMS)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        os.kill(victim["ranks"][1]["pid"], signal.SIGKILL)
+        after = [complete(i) for i in range(STREAMS)]  # routed to verifier-1 meanwhile
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a stream hangs"
+        back = wait_for(lambda: next((m for m in stack.status(namespace=ns)
+                                      if m["member_id"] == "verifier-0"
+                                      and m["state"] == "ready" and m["pid"] != victim["pid"]
+                                      and all(r["state"] == "alive" for r in m["ranks"])),
+                                     None), 120, "verifier-0 back")
+    finally:
+        served.proc.terminate()
+        served.proc.wait(90)
+        if "stack stopped" not in served.output():
+            helpers.cli(ns, "down")
+    failed = [i for i, (got, _) in enumerate(results) if isinstance(got, openai.APIError)]
+    for i in failed:  # a clear error: the verifier went away (503), within the bound
+        got, took = results[i]
+        print(f"stream {i}: {type(got).__name__}: {got.message[:90]}")
+        # a 503 before the first event, else the stream's error event naming the cause
+        assert got.status_code == 503 if isinstance(got, openai.APIStatusError) else \
+            "verifier" in got.message, (i, got)
+        assert took < COLLECTIVE_TIMEOUT_S + 15, (i, took)
+    assert [results[i][0] for i in range(STREAMS) if i not in failed] == \
+        [plain[i] for i in range(STREAMS) if i not in failed]
+    assert after == plain  # every request sent after the kill completed on verifier-1
+    assert {r["pid"] for r in back["ranks"]}.isdisjoint(r["pid"] for r in victim["ranks"])
+    print(f"{len(failed)}/{STREAMS} streams on the killed verifier ended with an error; "
+          f"{STREAMS} requests after the kill completed on the other verifier")
