@@ -48,8 +48,12 @@ def print_members(members: list[dict[str, Any]], as_json: bool, target=None,
     cols = ("member_id", "role", "state", "endpoint", "load", "pid", "node")
     rows = [cols] + [tuple(str(m.get(c)) for c in cols) for m in members]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    for r in rows:
+    print("  ".join(v.ljust(w) for v, w in zip(rows[0], widths, strict=True)).rstrip())
+    for m, r in zip(members, rows[1:], strict=True):
         print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+        for rank in m.get("ranks") or ():  # a TP group: one line per rank
+            print(f"  rank {rank['rank']}: {rank['state']}, pid {rank['pid']}, "
+                  f"node {rank['node']}")
 
 
 def autoscale_line(state: dict[str, Any]) -> str:
