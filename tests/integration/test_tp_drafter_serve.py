@@ -1,8 +1,9 @@
 """`chainspec serve -tp 2 --drafter-tensor-parallel-size 2` (issue 22 item 3 must-show):
 the verifier member is rank 0 of a TP=2 group and the drafter member rank 0 of another,
-whose rank 1 is a Ray actor in the drafter's placement group (`cluster/tp_ranks.py`).
-Greedy output of 16 concurrent streams equals plain decoding by an in-process TP=1
-engine, drafts were accepted, and the drafter reports two ranks."""
+whose rank 1 is a Ray actor in bundle 1 of the drafter member's placement group (rank 0
+in bundle 0; `cluster/tp_ranks.py`). Greedy output of 16 concurrent streams equals plain
+decoding by an in-process TP=1 engine, drafts were accepted, and the drafter member
+reports its two ranks alive, each its own process."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def test_tp2_drafter_and_tp2_verifier_serve_streams_equal_to_plain(ray_cluster):
         with ThreadPoolExecutor(STREAMS) as pool:
             got = list(pool.map(lambda p: complete(client, p), [tok.decode(i) for i in ids]))
         drafter = ray.get_actor(actor_name("drafter-0"), namespace=namespace)
-        stats = ray.get(drafter.stats.remote(), timeout=30)
+        ranks = ray.get(drafter.ping.remote(), timeout=30)["ranks"]
     finally:
         served.proc.terminate()
         served.proc.wait(90)
@@ -45,4 +46,5 @@ def test_tp2_drafter_and_tp2_verifier_serve_streams_equal_to_plain(ray_cluster):
     accepted = sum(s["accepted_tokens"] for _, s in got)
     drafted = sum(s["draft_tokens"] for _, s in got)
     assert accepted > 0.1 * drafted > 0, (accepted, drafted)
-    assert stats["ranks"] == 2 and stats["updates"] > 0
+    assert [(r["rank"], r["state"]) for r in ranks] == [(0, "alive"), (1, "alive")]
+    assert ranks[0]["pid"] != ranks[1]["pid"]

@@ -35,7 +35,13 @@ REGISTER_TRIES = 20  # ~1 min of backoff; after that the controller's pings must
 
 
 class _ServiceActor:
+    """A member; at TP = N it is rank 0 of a group whose ranks 1.. are actors it owns in
+    its placement group (`cluster/tp_ranks.py`). A dead rank fails the member:
+    NOT_SERVING, then the process exits and Ray restarts it, which replaces every rank
+    (they die with their owner)."""
+
     role = ""
+    group_failure: str | None = None
 
     def __init__(self, member_id: str, config: StackConfig) -> None:
         self.member_id, self.config = member_id, config
@@ -46,19 +52,42 @@ class _ServiceActor:
     @ray.method(enable_task_events=False)  # several a second for ever: see controller.py
     async def ping(self) -> dict[str, Any]:
         """State for the controller: serving, endpoint, load, pid, node, metrics_url, error,
-        a verifier's drafter links (endpoint -> live/connecting/dead/...) and its
-        drafter_mode (local: the `in-process` link)."""
+        `ranks` at TP > 1 (rank, pid, node, state each), a verifier's drafter links
+        (endpoint -> live/connecting/dead/...) and its drafter_mode (local: the
+        `in-process` link)."""
+        ranks = await self._check_ranks()
         node = ray.util.get_node_ip_address()
-        failure = getattr(self.server, "failure", None)  # a dead or stuck engine
+        failure = getattr(self.server, "failure", None) or self.group_failure
         return {"serving": self.server is not None and not self.server_draining
                 and failure is None,
                 "endpoint": self.endpoint, "load": self.load, "pid": os.getpid(),
-                "node": node, "error": self.error or failure,
+                "node": node, "error": self.error or failure, "ranks": ranks,
                 "metrics_url": self.server.metrics_url(node) if self.server is not None
                 else None,
                 "links": self.server.link_states() if hasattr(self.server, "link_states")
                 else None,
                 "drafter_mode": self.drafter_mode}
+
+    async def _check_ranks(self) -> list[dict[str, Any]] | None:
+        """This member's ranks; the first dead one fails the member."""
+        group = hosted_group()
+        ranks = group.rank_states() if group is not None else None
+        dead = [r["rank"] for r in ranks or () if r["state"] == "dead"]
+        if dead and self.group_failure is None and self.server is not None:
+            self.group_failure = f"tensor-parallel rank(s) {dead} of this {self.role} died"
+            await getattr(self.server, "running", self.server).set_serving(False)
+            self._engine_failed(self.group_failure)
+        return ranks
+
+    def _engine_failed(self, reason: str) -> None:
+        """Health is NOT_SERVING already: tell the controller why, then exit the process so
+        Ray restarts this actor with a fresh engine (a verifier's requests have failed
+        UNAVAILABLE, and the gateway retries new ones on another verifier; a drafter's
+        verifiers draft elsewhere or decode plainly)."""
+        log.error("%s: %s; restarting", self.member_id, reason)
+        loop = asyncio.get_running_loop()
+        loop.create_task(self._register())
+        loop.call_later(FAILED_EXIT_S, os._exit, 1)
 
     async def drain(self) -> None:
         """Stop taking work, let what is in flight finish (bounded), stop the server."""
@@ -127,15 +156,11 @@ class DrafterActor(_ServiceActor):
     def load(self) -> int:
         return self.engine.load if self.server is not None else 0
 
-    group = None  # a TP drafter's RayGroup (this actor is its rank 0)
-
     async def stats(self) -> dict[str, float]:
-        """Cumulative draft rounds and their compute time, and the ranks drafting."""
+        """Cumulative draft rounds and their compute time."""
         if self.server is None:
             return {}
-        ranks = 1 if self.group is None else 1 + len(self.group.ranks)
-        return {"updates": self.engine.updates, "update_s_total": self.engine.update_s_total,
-                "ranks": ranks}
+        return {"updates": self.engine.updates, "update_s_total": self.engine.update_s_total}
 
     async def serve(self) -> Any:
         name = os.path.basename(self.config.model_dir)
@@ -148,43 +173,11 @@ class DrafterActor(_ServiceActor):
         reason = no_mtp_reason(opts.model_dir)
         if reason is not None:
             raise CheckpointError(f"{reason}; serve it with --drafters 0")
-        # a TP group: this actor is rank 0, ranks 1.. are Ray actors (cluster/tp_ranks.py)
-        return load_drafter(opts, observer=metrics, start_group=self._start_ranks)
-
-    def _start_ranks(self, *args, **kwargs):
-        """Ranks 1.. in bundles 1.. of a placement group this actor owns: they and the
-        group die with it, so a restart replaces the whole group."""
-        from chainspec.cluster.tp_ranks import start_ray_group
-        rc = self.config.drafter
-        self.group = start_ray_group(*args, **kwargs, **({"cpus_per_rank": rc.num_cpus}
-                                                         if rc.num_cpus > 0 else {}))
-        return self.group
+        return load_drafter(opts, observer=metrics)
 
 
 class VerifierActor(_ServiceActor):
-    """A verifier member; at TP = N it is rank 0 of a group whose ranks 1.. are actors it
-    owns in its placement group (`cluster/tp_ranks.py`). A dead rank fails the member:
-    NOT_SERVING, then the process exits and Ray restarts it, which replaces every rank
-    (they die with their owner)."""
-
     role = "verifier"
-    group_failure: str | None = None
-
-    @ray.method(enable_task_events=False)  # periodic: see controller.py
-    async def ping(self) -> dict[str, Any]:
-        """`_ServiceActor.ping`, plus `ranks` at TP > 1 (rank, pid, node, state each)."""
-        group = hosted_group()
-        ranks = group.rank_states() if group is not None else None
-        dead = [r["rank"] for r in ranks or () if r["state"] == "dead"]
-        if dead and self.group_failure is None and self.server is not None:
-            self.group_failure = f"tensor-parallel rank(s) {dead} of this verifier died"
-            await self.server.running.set_serving(False)
-            self._engine_failed(self.group_failure)
-        info = await super().ping()
-        if self.group_failure is not None:
-            info.update(serving=False, error=info["error"] or self.group_failure)
-        return {**info, "ranks": ranks}
-
 
     @property
     def load(self) -> int:
@@ -203,15 +196,6 @@ class VerifierActor(_ServiceActor):
         if not c.drafter.local:  # NOTE: local mode has no drafter members to follow
             self._watch = asyncio.get_running_loop().create_task(self._follow_drafters(server))
         return server
-
-    def _engine_failed(self, reason: str) -> None:
-        """Health is NOT_SERVING already: tell the controller why, then exit the process so
-        Ray restarts this actor with a fresh engine (its requests have failed UNAVAILABLE,
-        and the gateway retries new ones on another verifier)."""
-        log.error("%s: %s; restarting", self.member_id, reason)
-        loop = asyncio.get_running_loop()
-        loop.create_task(self._register())
-        loop.call_later(FAILED_EXIT_S, os._exit, 1)
 
     async def stats(self) -> dict[str, float]:
         """Cumulative engine and draft-pool counters (for benchmarks)."""

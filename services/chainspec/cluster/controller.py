@@ -296,10 +296,10 @@ class Controller(AutoscalingMixin):
         cls = DrafterActor if role == "drafter" else VerifierActor
         resources = role_resources(self.config, role, ray.cluster_resources())
         placement: dict[str, Any] = {"num_cpus": rc.num_cpus, "resources": resources}
-        if role == "verifier" and rc.tensor_parallel_size > 1:
+        if rc.tensor_parallel_size > 1:  # a verifier's or a drafter's group
             self.intent.group_sizes[member.member_id] = rc.tensor_parallel_size
             self._save()  # NOTE: before the group exists, as above
-            placement = verifier_group(member.member_id, rc, resources)
+            placement = member_group(member.member_id, rc, resources)
         handle = ray.remote(cls).options(
             name=actor_name(member.member_id), namespace=self.config.namespace,
             lifetime="detached", max_restarts=rc.max_restarts, num_gpus=rc.num_gpus,
@@ -433,8 +433,8 @@ def _kill_members(namespace: str, member_ids: list[str]) -> None:
         _remove_group(name.removeprefix("chainspec-"))
 
 
-def verifier_group(member_id: str, rc, resources: dict[str, float]) -> dict[str, Any]:
-    """The actor options of a TP=N verifier (DESIGN 4.10): rank 0 in bundle 0 of a
+def member_group(member_id: str, rc, resources: dict[str, float]) -> dict[str, Any]:
+    """The actor options of a TP=N member (DESIGN 4.10): rank 0 in bundle 0 of a
     detached STRICT_PACK placement group of N bundles (one node), one per rank, each with
     the role's CPUs (at least a token share) and a GPU per rank on GPUs; the role's custom
     resource in bundle 0. Detached, so the group outlives a restarting controller; rank 0

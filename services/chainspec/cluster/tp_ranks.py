@@ -143,7 +143,7 @@ def start_in_own_group(source: ShardSource, world: int,
     pg = get_current_placement_group() if ray.is_initialized() else None
     if pg is None or len(pg.bundle_specs) < world:
         return None
-    check_model(source.model_dir, world)
+    check_model(source.model_dir, world, source.draft)
     address = GroupAddress(ray.util.get_node_ip_address(), free_port(), world,
                            "nccl" if source.device == "cuda" else "gloo", collective_timeout_s)
     ranks = [TPRank.options(num_cpus=pg.bundle_specs[r].get("CPU", 0.0),
@@ -155,7 +155,7 @@ def start_in_own_group(source: ShardSource, world: int,
     served = [rank.serve.remote() for rank in ranks]
     one_thread()
     tp, channel = join(address, 0)
-    leader = TPLeader(source.load(tp), channel)
+    leader = (DraftLeader if source.draft else TPLeader)(source.load(tp), channel)
     group = RayGroup(leader, pg, ranks, served, ray.get(infos, timeout=READY_TIMEOUT_S),
                      owns_pg=False)
     _hosted.append(group)

@@ -37,20 +37,26 @@ def load_target_model(opts: LocalOptions) -> TargetModel:
     """The target; with tensor_parallel_size N > 1, rank 0's `TPLeader` of a group whose
     other ranks run in processes of their own (closed at exit)."""
     if opts.tensor_parallel_size > 1:
-        # NOTE: a stack member placed by the controller in a placement group of N bundles
-        # hosts its ranks as Ray actors there (cluster/tp_ranks.py); else processes
-        from chainspec.cluster.tp_ranks import start_in_own_group
-        from chainspec.engine.tp_launch import ShardSource, start_local_group
-        source = ShardSource(str(opts.model_dir), DTYPES[opts.dtype], opts.device,
-                             opts.max_len)
-        group = start_in_own_group(source, opts.tensor_parallel_size,
-                                   opts.collective_timeout_s) or \
-            start_local_group(opts.model_dir, opts.tensor_parallel_size,
-                              DTYPES[opts.dtype], opts.device, opts.max_len,
-                              collective_timeout_s=opts.collective_timeout_s)
-        atexit.register(group.close)
-        return group.leader
+        return start_group(opts).leader
     return load_target(opts.model_dir, DTYPES[opts.dtype], opts.device, cache_len=opts.max_len)
+
+
+def start_group(opts: LocalOptions, draft: bool = False):
+    """A group of `opts.tensor_parallel_size` ranks of the target (`draft`: of the MTP
+    drafter), this process rank 0; closed at exit."""
+    # NOTE: a stack member placed by the controller in a placement group of N bundles
+    # hosts its ranks as Ray actors there (cluster/tp_ranks.py); else processes
+    from chainspec.cluster.tp_ranks import start_in_own_group
+    from chainspec.engine.tp_launch import ShardSource, start_local_group
+    source = ShardSource(str(opts.model_dir), DTYPES[opts.dtype], opts.device,
+                         opts.max_len, draft)
+    group = start_in_own_group(source, opts.tensor_parallel_size,
+                               opts.collective_timeout_s) or \
+        start_local_group(opts.model_dir, opts.tensor_parallel_size,
+                          DTYPES[opts.dtype], opts.device, opts.max_len,
+                          collective_timeout_s=opts.collective_timeout_s, draft=draft)
+    atexit.register(group.close)
+    return group
 
 
 def load_draft(opts: LocalOptions) -> MTPDraftModel:
@@ -105,21 +111,16 @@ def build_drafter(draft: MTPDraftModel, opts: LocalOptions,
     return TimedDrafterEngine(draft, drafter_config(opts), observer=observer)
 
 
-def load_drafter(opts: LocalOptions, observer: DrafterObserver | None = None,
-                 start_group: Callable | None = None) -> TimedDrafterEngine:
+def load_drafter(opts: LocalOptions,
+                 observer: DrafterObserver | None = None) -> TimedDrafterEngine:
     """Load the MTP modules of `opts.model_dir` and build a drafter over them. With
     tensor_parallel_size N > 1 (a drafter's own: `StackConfig.local_options("drafter")`),
-    over rank 0's `DraftLeader` of a group; `start_group` hosts its other ranks (default
-    `start_local_group`: processes of this machine), closed at exit."""
+    over rank 0's `DraftLeader` of a group (`start_group`)."""
     if opts.tensor_parallel_size == 1:
         return build_drafter(load_draft(opts), opts, observer)
-    if start_group is None:
-        from chainspec.engine.tp_launch import start_local_group as start_group
-    group = start_group(opts.model_dir, opts.tensor_parallel_size, DTYPES[opts.dtype],
-                        opts.device, opts.max_len, draft=True)
-    atexit.register(group.close)
+    leader = start_group(opts, draft=True).leader
     # NOTE: collectives are not captured in CUDA graphs yet (as the verifier's TPLeader)
-    return build_drafter(group.leader, dataclasses.replace(opts, use_graphs=False), observer)
+    return build_drafter(leader, dataclasses.replace(opts, use_graphs=False), observer)
 
 
 def build_verifier_engine(target: TargetModel, opts: LocalOptions, drafts: DraftClient | None,
