@@ -64,6 +64,7 @@ def test_models_list_and_retrieve(url, client, stack) -> None:  # noqa: F811
     one = get(url, f"/v1/models/{stack.model}")
     assert one.status_code == 200 and one.json() == listed[0]
     assert client.models.retrieve(stack.model).id == stack.model  # the official client
+    assert [m.id for m in client.models.list()] == [stack.model]
     for unknown in ("nope", "org/name"):
         body = error(get(url, f"/v1/models/{unknown}"), 404, "model")
         assert body["code"] == "model_not_found" and repr(unknown) in body["message"]
