@@ -83,7 +83,8 @@ def test_random_depths_equal_plain(demo_models, heldout_prompts, plain, batch):
 
 @pytest.mark.parametrize("depth", ["fixed", "adaptive"])
 def test_request_cap_is_honoured(demo_models, heldout_prompts, plain, depth):
-    """Cap 0: no drafts verified, the drafter not asked; cap 1: at most one per round."""
+    """Cap 0: no drafts verified, the drafter not asked; cap 1: one per round at fixed
+    depth, at most one under the policy."""
     opts, models = demo_models
     opts = dataclasses.replace(opts, num_steps=3, speculative_depth=depth)
     eng = build_verifier(models, opts, True)
@@ -101,7 +102,9 @@ def test_request_cap_is_honoured(demo_models, heldout_prompts, plain, depth):
         stats = done[f"r{i}/stats"]
         if i % 2 == 0:
             assert (stats.rounds, stats.draft_tokens) == (0, 0)
-        else:
+        elif depth == "fixed":
             assert stats.rounds > 0 and stats.draft_tokens == stats.rounds  # one each
+        else:  # the policy may verify fewer, never more
+            assert stats.draft_tokens <= stats.rounds
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         eng.add_request("bad", prompts[0], GREEDY, STOP, num_speculative_tokens=-1)

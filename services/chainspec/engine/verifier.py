@@ -209,7 +209,8 @@ class VerifierEngine:
             self.drafter.submit(updates)
         if self.depth is not None:  # NOTE: before _reap, which forgets finished sequences
             self._learn_depth(work, result.verdicts, forward_s,
-                              time.perf_counter() - started - forward_s)
+                              time.perf_counter() - started - forward_s,
+                              any(u.want_drafts for u in updates))
         outputs.extend(self._reap())
         self._observe(started, drafts_ready, work, result.verdicts, outputs)
         return outputs
@@ -237,8 +238,9 @@ class VerifierEngine:
         return out
 
     def _learn_depth(self, work: Sequence[Work], verdicts, forward_s: float,
-                     other_s: float) -> None:
-        drafted = False
+                     other_s: float, asked: bool) -> None:
+        """`asked`: this step asked for drafts (an in-process drafter drafts within it)."""
+        drafted = asked
         for w, verdict in zip(work, verdicts, strict=True):
             if w.kind is WorkKind.VERIFY and w.num_drafts:
                 drafted = True
