@@ -175,3 +175,26 @@ def test_step_clock_on_cpu_gives_one_duration_per_step():
         clock.mark()
     got = clock.durations()
     assert len(got) == K and all(d >= 0 for d in got)
+
+
+def test_depth_counter_counts_rounds_by_drafts_verified(models):
+    """chainspec_spec_decode_depth{depth}: one count per verify round at its depth; rounds
+    at depth 0 by choice (a request's cap 0) are fallbacks labelled depth."""
+    vm = VerifierMetrics("tiny", K)
+    eng = build(models, vm)
+    greedy = SamplingParams(temperature=0.0)
+    for i, (prompt, cap) in enumerate(zip(PROMPTS, [0, 1, 2, None], strict=True)):
+        eng.add_request(f"r{i}", prompt, greedy, STOP, num_speculative_tokens=cap)
+    stats = {}
+    while eng.has_work:
+        for out in eng.step():
+            if out.stats is not None:
+                stats[out.request_id] = out.stats
+    depth = [value(vm, "chainspec_spec_decode_depth_total", depth=str(k)) for k in range(K + 1)]
+    assert depth[1] == stats["r1"].rounds > 0 and depth[2] == stats["r2"].rounds > 0
+    assert depth[3] == stats["r3"].rounds > 0
+    plain_rounds = STOP.max_tokens - 1  # r0: every token after the prefill's first
+    assert depth[0] == sum(s.fallback_rounds for s in stats.values()) >= plain_rounds
+    assert value(vm, "chainspec_plain_decode_fallbacks_total", reason="depth") == \
+        stats["r0"].fallback_rounds == plain_rounds
+    assert sum(depth) == sum(s.rounds + s.fallback_rounds for s in stats.values())

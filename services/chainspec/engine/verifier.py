@@ -229,9 +229,9 @@ class VerifierEngine:
         out = list(work)
         for i, k in zip(verify, caps, strict=True):
             w = out[i]
-            w.request.wants_drafts = k > 0
-            if k == 0 and w.num_drafts and w.request.max_drafts > 0:
+            if k == 0 and (w.num_drafts or not w.request.wants_drafts):
                 w.request.draft_miss = "depth"  # NOTE: metrics: a fallback by choice
+            w.request.wants_drafts = k > 0
             if w.num_drafts > k:
                 out[i] = replace(w, tokens=w.tokens[:1 + k], num_drafts=k,
                                  ahead=w.ahead and k > 0)
