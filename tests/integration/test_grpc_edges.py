@@ -393,7 +393,8 @@ class _EchoEngine:
     def __init__(self) -> None:
         self.prompts: dict[str, list[int]] = {}
 
-    async def generate(self, rid, prompt, sampling, stop, admission=None):
+    async def generate(self, rid, prompt, sampling, stop, admission=None,
+                       num_speculative_tokens=None):
         self.prompts[rid] = list(prompt)
         yield RequestOutput(rid, (1,), FinishReason.LENGTH)
 
