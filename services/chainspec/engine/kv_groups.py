@@ -84,10 +84,9 @@ class CacheClaims:
         for w, table in seq.windows.items():
             table.ensure(self.pools[w], num_tokens)
 
-    def trim(self, seq: SeqClaims, next_position: int, num_steps: int) -> None:
-        """After a commit: keep what rows from `next_position` (and K drafts after it)
-        can still see; the rest goes back."""
-        del num_steps  # rows at next_position.. see keys from next_position - W + 1 on
+    def trim(self, seq: SeqClaims, next_position: int) -> None:
+        """After a commit: keep what rows from `next_position` on (the next window and
+        its drafts) can still see, keys from next_position - W + 1; the rest goes back."""
         for w, table in seq.windows.items():
             table.trim(self.pools[w], max(0, next_position - w + 1))
 

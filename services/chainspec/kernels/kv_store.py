@@ -20,7 +20,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor | None, k_cache: torch.Tensor,
     `v` None: a latent cache (values are a view of the keys), only k is written.
     The Triton kernel on CUDA tensors, the torch reference elsewhere."""
     if v is None:
-        v, v_cache = k, k_cache  # NOTE: writes the keys twice; same values, same slots
+        v, v_cache = k, k_cache  # NOTE: the kernel writes them twice (same values, slots)
     _check(k, v, k_cache, v_cache, slot_mapping)
     if use_kernel(k):
         _store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
@@ -34,7 +34,8 @@ def store_kv_reference(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     valid = slot_mapping >= 0  # [T]
     every = bool(valid.all())  # no padding rows: no boolean indexing (CPU decode steps)
     slots = slot_mapping if every else slot_mapping[valid]  # [n]
-    for src, cache in ((k, k_cache), (v, v_cache)):
+    pairs = ((k, k_cache),) if v is k else ((k, k_cache), (v, v_cache))  # latent: once
+    for src, cache in pairs:
         flat = cache.view(-1, *cache.shape[2:])  # [blocks * block_size, Hkv, D]
         flat.index_copy_(0, slots, (src if every else src[valid]).to(cache.dtype))
 

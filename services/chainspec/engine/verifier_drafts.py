@@ -1,0 +1,142 @@
+"""The verifier's side of the drafter protocol (DESIGN 3.1, 3.4, 4.8): collecting
+drafts, resyncing a drafter that lost a sequence, the update each commit sends, and
+the look-ahead entries used on a hit. A mixin of `VerifierEngine` (its state lives
+there); one concept per file."""
+
+from __future__ import annotations
+
+import torch
+
+from chainspec.engine.draft_types import (
+    DraftResult,
+    DraftSampling,
+    ErrorCode,
+    SeqFailure,
+    SeqUpdate,
+)
+from chainspec.engine.request import Request
+from chainspec.engine.schedule import Work, WorkKind
+from chainspec.engine.verify_batch import StepResult, VerifyResult
+from chainspec.models.attention import DenseCausal
+
+# Steps to wait before retrying to give a sequence drafts after a drafter refused it.
+RESYNC_BACKOFF, MAX_RESYNC_BACKOFF = 4, 64
+
+
+class DraftProtocol:
+    """Methods of `VerifierEngine` that talk to its `DraftClient`."""
+
+    def _collect_drafts(self, group: list[Request]) -> None:
+        if self.drafter is None:
+            return
+        by_seq = {self.seq_ids[r.request_id]: r for r in self.running}
+        resync: list[SeqUpdate] = []
+        wait_for = None if len(group) == len(self.running) else \
+            [self.seq_ids[r.request_id] for r in group]
+        if self.config.draft_ahead:  # NOTE: a look-ahead hit needs no wait
+            wait_for = [self.seq_ids[r.request_id] for r in group if not has_drafts(r)]
+        for seq_id, outcome in self.drafter.collect(wait_for).items():
+            req = by_seq.get(seq_id)
+            if req is None or req.finished:
+                continue
+            if isinstance(outcome, DraftResult):
+                if req.drafts_ahead and has_drafts(req):
+                    continue  # the drafter was told it verifies the look-ahead's drafts
+                if outcome.position != req.num_computed:
+                    req.draft_miss = "stale"
+                    continue  # stale: proposed for a round that is over
+                req.drafts, req.draft_miss = outcome, None
+                req.drafter_synced = True
+                req.resync_backoff = RESYNC_BACKOFF
+            elif isinstance(outcome, SeqFailure):
+                req.drafts, req.drafter_synced = None, False
+                if outcome.code == ErrorCode.FAILED_PRECONDITION:
+                    req.draft_miss = "resync"
+                    resync.append(self._resync_update(req))
+                else:  # no drafter could take it now: try again later, backing off
+                    req.draft_miss = "no_drafter"
+                    req.resync_at = self.steps + req.resync_backoff
+                    req.resync_backoff = min(2 * req.resync_backoff, MAX_RESYNC_BACKOFF)
+        for req in self.running:
+            if req.resync_at is not None and req.resync_at <= self.steps and \
+                    not req.drafter_synced and not req.finished and req.num_computed > 0:
+                resync.append(self._resync_update(req))
+        self._take_ahead()
+        if resync:
+            self.drafter.submit(resync)
+            for upd in resync:
+                # NOTE: the drafter sees the resync before this step's update (same stream,
+                # in order), so the sequence may keep sending updates from now on.
+                by_seq[upd.seq_id].drafter_synced = True
+
+    def _resync_update(self, req: Request) -> SeqUpdate:
+        """Rebuild the drafter's state: recompute h for the committed prefix (DESIGN 3.4)."""
+        n = req.num_computed
+        ids = torch.tensor(req.tokens[:n], device=self.device)
+        # NOTE: dense recompute, no KV writes: the target's cache stays as plain decoding
+        # built it, so resync cannot change any output token.
+        hidden = self.model(ids, torch.arange(n, device=self.device),
+                            DenseCausal(1, n, self.model.attention_scale))
+        self.resyncs += 1
+        req.resync_at = None
+        return SeqUpdate(self.seq_ids[req.request_id], 0, tuple(req.tokens[1:n + 1]),
+                         hidden.float().cpu(), True, self._draft_sampling(req))
+
+    def _ahead_drafts(self, req: Request, start: int, new: list[int]) -> DraftResult | None:
+        """The next round's drafts if the look-ahead for the round at `start` guessed
+        its outcome `new` exactly (a hit), else None."""
+        ahead, req.ahead = req.ahead, None
+        if ahead is None or ahead.base != start:
+            return None
+        hit = ahead.outcome == tuple(new)
+        self.ahead_hits += hit
+        self.ahead_misses += not hit
+        self._step_ahead[0 if hit else 1] += 1
+        return ahead.drafts if hit else None
+
+    def _take_ahead(self) -> None:
+        """Keep each sequence's look-ahead for the round it is about to verify."""
+        if self.drafter is None or not self.config.draft_ahead:
+            return
+        entries = self.drafter.ahead()
+        if not entries:
+            return
+        by_seq = {self.seq_ids[r.request_id]: r for r in self.running}
+        for seq_id, entry in entries.items():
+            req = by_seq.get(seq_id)
+            if req is not None and not req.finished and entry.base == req.num_computed:
+                req.ahead = entry
+
+    def _draft_update(self, item: Work, verdict: VerifyResult | None, result: StepResult,
+                      index: int) -> SeqUpdate | None:
+        """Rows the drafter needs: (h_p, x[p+1]) for the rows this step committed."""
+        req = item.request
+        if self.drafter is None or req.finished:
+            return None
+        if item.kind is WorkKind.VERIFY and not req.drafter_synced:
+            return None  # a resync is under way or the drafter is gone: plain decode
+        rows = item.num_rows if item.kind is WorkKind.PREFILL else verdict.accepted + 1
+        hidden = result.hidden_rows(index, rows)
+        tokens = tuple(req.tokens[item.start + 1: item.start + 1 + rows])
+        if item.kind is WorkKind.PREFILL and item.start == 0:
+            req.drafter_synced = True
+        ahead = self.config.draft_ahead and verdict is not None
+        verifying = tuple(req.drafts.tokens.tolist()) if ahead and req.drafts_ahead else ()
+        # NOTE: the chunk that ends a recompute (after preemption) commits nothing, but
+        # drafts for x[N] may follow it.
+        wants = (verdict is not None or item.start + rows == req.recompute_len) and \
+            req.wants_drafts
+        return SeqUpdate(self.seq_ids[req.request_id], item.start, tokens, hidden,
+                         want_drafts=wants, sampling=self._draft_sampling(req),
+                         look_ahead=ahead, verifying=verifying)
+
+    def _draft_sampling(self, req: Request) -> DraftSampling:
+        s = req.sampling
+        if s.greedy or not self.config.sampled_drafts:
+            return DraftSampling(0.0, 0, s.seed)
+        return DraftSampling(s.temperature, self.config.draft_top_k, s.seed)
+
+
+def has_drafts(req: Request) -> bool:
+    """Drafts are in hand for the round the sequence verifies next."""
+    return req.drafts is not None and req.drafts.position == req.num_computed
