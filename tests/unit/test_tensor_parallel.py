@@ -216,3 +216,43 @@ def test_a_size_that_does_not_divide_the_heads_is_refused():
         check_divides(cfg, 3)
     check_divides(cfg, 2)
     assert TPGroup(0, 2).world == 2
+
+
+def test_each_rank_computes_only_the_pairs_of_its_own_experts(monkeypatch):
+    """Expert parallel: rank r's experts run exactly the (row, slot) pairs routed to them
+    (counted at their gate/up projections; none passes through a local expert with
+    weight 0), and the ranks' partial outputs sum to the full layer's."""
+    import torch.nn.functional as F
+
+    from chainspec.models.moe import Experts
+
+    g = torch.Generator().manual_seed(7)
+    full = Experts(8, 16, 8)
+    with torch.no_grad():
+        full.gate_up_proj.copy_(torch.randn(full.gate_up_proj.shape, generator=g) * 0.3)
+        full.down_proj.copy_(torch.randn(full.down_proj.shape, generator=g) * 0.3)
+    x = torch.randn(11, 16, generator=g)
+    ids = torch.topk(torch.rand(11, 8, generator=g), 3, dim=-1).indices  # [T, k]
+    ids[:4] = torch.tensor([0, 1, 2])  # rows routed to rank 0's experts only
+    weights = torch.rand(11, 3, generator=g)
+    counted: list[int] = []
+    linear = F.linear
+
+    def counting(inp, weight, bias=None):
+        if weight.untyped_storage().data_ptr() == counting.storage:
+            counted.append(inp.shape[0])
+        return linear(inp, weight, bias)
+    monkeypatch.setattr(F, "linear", counting)
+    total = torch.zeros_like(x)
+    with torch.no_grad():
+        for rank, (start, stop) in enumerate(((0, 4), (4, 8))):
+            mine = LocalExperts(start, stop, full)
+            mine.gate_up_proj = torch.nn.Parameter(full.gate_up_proj[start:stop].clone())
+            mine.down_proj = torch.nn.Parameter(full.down_proj[start:stop].clone())
+            counting.storage = mine.gate_up_proj.untyped_storage().data_ptr()
+            counted.clear()
+            total += mine(x, ids, weights)
+            routed_here = int(((ids >= start) & (ids < stop)).sum())
+            assert sum(counted) == routed_here < ids.numel(), (rank, counted)
+        want = full(x, ids, weights)
+    torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5)

@@ -13,6 +13,8 @@ static bound, and programs past the padded total return at once.
 
 Weights (transformers 5.x layout, models/moe.py): gate_up [E, 2I, H] (rows: gate then up),
 down [E, H, I]; x [T, H] in the weights' dtype; ids [T, k] int; weights [T, k] fp32.
+A negative id is a pair with no expert here (expert parallel: the expert is another
+rank's): it is never computed and adds nothing to its row.
 """
 
 from __future__ import annotations
@@ -48,14 +50,15 @@ def fused_moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
                         ids: torch.Tensor, weights: torch.Tensor, limit: float | None = None
                         ) -> torch.Tensor:
     """The torch path and test oracle: per expert hit, its rows through SwiGLU, scaled by
-    their routing weights and added into an fp32 sum (cast to x's dtype at the end).
-    NOTE: `.tolist()` syncs; this is the CPU path, CUDA takes the kernel."""
+    their routing weights and added into an fp32 sum (cast to x's dtype at the end); pairs
+    with a negative id are skipped. NOTE: `.tolist()` syncs; this is the CPU path, CUDA
+    takes the kernel."""
     rows, top_k = ids.shape
-    flat = ids.reshape(-1)  # [T*k]
-    order = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    flat = ids.reshape(-1).clamp(min=-1)  # [T*k]; -1: no expert here
+    order = torch.argsort(flat, stable=True)  # (row, slot) pairs grouped by expert, -1 first
+    none, *counts = torch.bincount(flat + 1, minlength=gate_up.shape[0] + 1).tolist()
     out = torch.zeros(rows, x.shape[1], dtype=torch.float32, device=x.device)  # [T, H]
-    start = 0
+    start = none
     for e, n in enumerate(counts):
         if n == 0:
             continue
@@ -94,22 +97,27 @@ def padded_bound(pairs: int, num_experts: int, block_m: int) -> int:
 
 def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
     """Sort the T*k (row, slot) pairs of `ids` [T, k] by expert (stable: row order within
-    an expert) and pad each expert's run to a multiple of `block_m`."""
+    an expert) and pad each expert's run to a multiple of `block_m`. Pairs with a negative
+    id (no expert here) are left out: no block holds them."""
     flat = ids.reshape(-1).to(torch.int64)  # [T*k]
     pairs = flat.numel()
+    flat = torch.where(flat < 0, num_experts, flat)  # no expert here: bucket E, dropped
     # NOTE: not bincount, which reads the max id on the host (a sync; no graph capture)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    start = torch.cumsum(counts, 0) - counts  # [E] first sorted index of each expert
-    padded_end = torch.cumsum(padded, 0)  # [E]
-    padded_start = padded_end - padded
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E + 1]
+    padded = (counts + block_m - 1) // block_m * block_m  # [E + 1]
+    start = torch.cumsum(counts, 0) - counts  # [E + 1] first sorted index of each expert
+    padded_end = torch.cumsum(padded, 0)[:num_experts]  # [E]
+    padded_start = torch.cat([padded_end[:1] * 0, padded_end])  # [E + 1]
     order = torch.argsort(flat, stable=True)  # [T*k]
     expert = flat[order]
     rank = torch.arange(pairs, device=ids.device) - start[expert]
     bound = padded_bound(pairs, num_experts, block_m)
-    sorted_pairs = torch.full((bound,), pairs, dtype=torch.int32, device=ids.device)
-    sorted_pairs[padded_start[expert] + rank] = order.to(torch.int32)
+    # one slot past the bound takes every dropped pair (bucket E), then is cut off
+    slot = torch.where(expert < num_experts, padded_start[expert] + rank, bound)
+    sorted_pairs = torch.full((bound + 1,), pairs, dtype=torch.int32, device=ids.device)
+    sorted_pairs[slot] = order.to(torch.int32)
+    sorted_pairs = sorted_pairs[:bound]
     block_first = torch.arange(0, bound, block_m, device=ids.device)  # [P // block_m]
     block_expert = torch.searchsorted(padded_end, block_first, right=True)
     block_expert = block_expert.clamp_(max=num_experts - 1).to(torch.int32)  # past total
@@ -149,7 +157,8 @@ def _fused_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     blocks = align_block_size(ids, num_experts, tiles.block_m)
     pairs = rows * top_k
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)  # [T*k, I]
-    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)  # [T*k, H]
+    # zeros: pairs with no expert here are never stored
+    out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)  # [T*k, H]
     w = weights.reshape(-1).to(torch.float32).contiguous()  # [T*k]
     _launch(x, gate_up, act, w, blocks, inter, hidden, top_k, tiles, gated=True, limit=limit)
     _launch(act, down, out, w, blocks, hidden, inter, 1, tiles, gated=False)

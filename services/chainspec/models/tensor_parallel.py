@@ -141,9 +141,9 @@ class RowParallelLinear(nn.Module):
 
 
 class LocalExperts(nn.Module):
-    """Experts [start, stop) of a MoE layer (expert parallel): rows routed elsewhere get
-    weight 0 here. NOTE: they still pass through local expert 0 (the fused kernel's
-    reference takes no "none" id); the sum over ranks is exact either way."""
+    """Experts [start, stop) of a MoE layer (expert parallel): only the (row, slot) pairs
+    routed to them are computed; the others take id -1 (the fused kernel's "no expert
+    here") and add nothing, so the sum over ranks is each row's full MoE output."""
 
     def __init__(self, start: int, stop: int, old: Experts) -> None:
         super().__init__()
@@ -159,8 +159,8 @@ class LocalExperts(nn.Module):
         local = ids - self.start  # [T, k]
         mine = (local >= 0) & (local < self.stop - self.start)
         return fused_moe(x, self.gate_up_proj, self.down_proj,
-                         torch.where(mine, local, torch.zeros_like(local)),
-                         weights * mine.to(weights.dtype), self.limit)
+                         torch.where(mine, local, torch.full_like(local, -1)), weights,
+                         self.limit)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -90,6 +90,36 @@ def test_reference_is_the_per_pair_sum() -> None:
     torch.testing.assert_close(fused_moe_reference(x, gate_up, down, ids, w), want)
 
 
+def _drop_some(ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """ids [T, k] with about half the pairs -1 (no expert here: another rank's)."""
+    drop = torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) < 0.5
+    return torch.where(drop, torch.full_like(ids, -1), ids)
+
+
+def test_pairs_with_no_expert_add_nothing() -> None:
+    x, gate_up, down, ids, w = _case(9, 8, 3, 16, 8, torch.float32, seed=2)
+    ids = _drop_some(ids, seed=3)
+    assert (ids < 0).any() and (ids >= 0).any()
+    want = fused_moe_reference(x, gate_up, down, ids.clamp(min=0), w * (ids >= 0))
+    torch.testing.assert_close(fused_moe_reference(x, gate_up, down, ids, w), want)
+    none = torch.full_like(ids, -1)
+    assert torch.equal(fused_moe_reference(x, gate_up, down, none, w), torch.zeros_like(x))
+
+
+def test_align_leaves_out_pairs_with_no_expert() -> None:
+    ids, _ = _routing(40, 16, 4, seed=5)
+    ids = _drop_some(ids, seed=6)
+    bm, pairs = 16, ids.numel()
+    blocks = align_block_size(ids, 16, bm)
+    total = int(blocks.total)
+    counts = torch.bincount(ids[ids >= 0], minlength=16)
+    assert total == int(((counts + bm - 1) // bm * bm).sum())
+    used = blocks.sorted_pairs[:total]
+    real = used[used < pairs]
+    assert sorted(real.tolist()) == torch.nonzero(ids.flatten() >= 0).flatten().tolist()
+    assert (blocks.sorted_pairs[total:] == pairs).all()
+
+
 def test_cpu_dispatch_takes_the_reference() -> None:
     args = _case(5, 8, 2, 16, 8, torch.float32, seed=1)
     assert torch.equal(fused_moe(*args), fused_moe_reference(*args))
@@ -147,6 +177,14 @@ def check_clamped_swiglu() -> None:
         plain = fused_moe_reference(*args[:5])
         assert (plain - fused_moe_reference(*args)).abs().max() > 1e-3
         _check(args, rtol=1e-5, atol=1e-5)
+
+
+def check_pairs_with_no_expert() -> None:
+    """Expert parallel: pairs of other ranks' experts (id -1) are neither computed nor
+    summed, whatever the kernel's output buffer held."""
+    for rows, e, k in ((20, 16, 4), (130, 8, 2)):
+        x, gate_up, down, ids, w = _case(rows, e, k, 32, 16, torch.float32, seed=rows)
+        _check((x, gate_up, down, _drop_some(ids, seed=rows + 1), w), rtol=1e-5, atol=1e-5)
 
 
 CHECKS = sorted(n for n in globals() if n.startswith("check_"))
