@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models
 
 from chainspec.engine.detokenizer import IncrementalDetokenizer
 from chainspec.engine.logprobs import TokenLogprob
@@ -74,23 +76,27 @@ def test_logprobs_travel_in_token_chunks() -> None:
     assert not chunk_message("r", (4,), "a").chunk.logprobs
 
 
+def _chars_backend() -> Backend:
+    """Token id i is the character chr(97 + i)."""
+    backend = Backend(models.BPE({chr(97 + i): i for i in range(26)}, []))
+    backend.decoder = decoders.Fuse()
+    return backend
+
+
 class _Chars:
-    """A tokenizer stand-in: token id i is the character chr(97 + i)."""
+    """A tokenizer stand-in over `_chars_backend`."""
 
     max_token_chars = 1
-
-    @staticmethod
-    def decode(ids):
-        return "".join(chr(97 + i) for i in ids)
+    backend = _chars_backend()
 
 
 @pytest.mark.parametrize("include,text", [(False, "ab"), (True, "abcd")])
 def test_include_stop_str_in_output(include, text) -> None:
-    writer = _ResponseWriter("r", 3, _Chars(), ("cd",), include)
+    writer = _ResponseWriter("r", (5, 6, 7), _Chars(), ("cd",), include)
     out = RequestOutput("r", (0, 1, 2, 3, 4), FinishReason.STOP, "cd")
     msgs = writer.messages(out)
     assert msgs[0].chunk.text == text
-    detok = IncrementalDetokenizer(_Chars.decode, ("cd",))
+    detok = IncrementalDetokenizer(_Chars.backend, (), ("cd",))
     assert detok.add([0, 1, 2]) == "ab"  # "c" held back: it may start the stop string
     assert detok.finish([3, 4], "cd", include) == text[2:]
 
@@ -99,7 +105,7 @@ def test_include_stop_str_in_output(include, text) -> None:
 def test_a_stop_token_id_is_not_in_the_text_unless_asked(include, text) -> None:
     """Stopped by a stop token id (no stop string): the token id is reported, its text
     only with include_stop_str_in_output (as vLLM does)."""
-    writer = _ResponseWriter("r", 3, _Chars(), (), include)
+    writer = _ResponseWriter("r", (5, 6, 7), _Chars(), (), include)
     msgs = writer.messages(RequestOutput("r", (0, 1, 2, 3), FinishReason.STOP))
     assert list(msgs[0].chunk.token_ids) == [0, 1, 2, 3]
     assert msgs[0].chunk.text == text

@@ -125,12 +125,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     async def _run(self, rid: str, args: GenerateArgs, context: grpc.aio.ServicerContext
                    ) -> AsyncIterator[pb.GenerateResponse]:
-        writer = _ResponseWriter(rid, len(args.prompt), self.tokenizer, args.stop.stop_strings,
+        writer = _ResponseWriter(rid, args.prompt, self.tokenizer, args.stop.stop_strings,
                                  args.include_stop_str)
+        writer.resume(args.generated, args.text_sent)
         try:
             async for out in self.engine.generate(rid, args.prompt, args.sampling, args.stop,
-                                                  args.admission,
-                                                  args.num_speculative_tokens):
+                                                  args.admission, args.num_speculative_tokens,
+                                                  generated=args.generated):
                 for message in writer.messages(out):
                     yield message
         except RequestIdInUse:
@@ -162,13 +163,30 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 class _ResponseWriter:
     """Engine outputs of one request -> Generate stream messages."""
 
-    def __init__(self, request_id: str, prompt_len: int, tokenizer: Tokenizer | None,
+    def __init__(self, request_id: str, prompt: Sequence[int], tokenizer: Tokenizer | None,
                  stop_strings: tuple[str, ...], include_stop_str: bool = False) -> None:
-        self.request_id, self.prompt_len = request_id, prompt_len
+        self.request_id, self.prompt_len = request_id, len(prompt)
         self.include_stop_str = include_stop_str
-        self.detok = IncrementalDetokenizer(tokenizer.decode, stop_strings) \
+        # NOTE: seeded with the prompt: the first token's text reads as its continuation
+        self.detok = IncrementalDetokenizer(tokenizer.backend, prompt, stop_strings) \
             if tokenizer is not None else None
         self.completion_tokens = 0
+        self._skip, self._backlog = 0, ""  # a continuation's text sent before / not yet
+
+    def resume(self, generated: Sequence[int], text_sent: int) -> None:
+        """Continue after `generated` (a continuation): its tokens are decoded first, and
+        of the text the first `text_sent` characters, which the client has, are not sent
+        again; what the previous verifier held back goes out with the next chunk."""
+        self.completion_tokens = len(generated)
+        self._skip = text_sent
+        if self.detok is not None and generated:
+            self._backlog = self._unsent(self.detok.add(generated))
+
+    def _unsent(self, text: str) -> str:
+        """`text` less what the client already has (a continuation's first characters)."""
+        drop = min(self._skip, len(text))
+        self._skip -= drop
+        return text[drop:]
 
     def messages(self, out: RequestOutput) -> list[pb.GenerateResponse]:
         self.completion_tokens += len(out.new_tokens)
@@ -182,6 +200,7 @@ class _ResponseWriter:
             text = self.detok.finish(shown, out.stop_string, self.include_stop_str)
         else:
             text = self.detok.add(out.new_tokens)
+        text, self._backlog = self._backlog + self._unsent(text), ""
         msgs = [chunk_message(self.request_id, out.new_tokens, text, out.logprobs)] \
             if out.new_tokens or text else []
         if out.finished:
