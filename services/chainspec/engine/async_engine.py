@@ -114,8 +114,8 @@ class AsyncVerifier:
     async def generate(self, request_id: str | None, prompt_ids: Sequence[int],
                        sampling: SamplingParams, stop: StopConditions,
                        admission: Admission = OWN_PARTY,
-                       num_speculative_tokens: int | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       num_speculative_tokens: int | None = None,
+                       generated: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine commits them; the last one is finished.
 
         Raises ValueError (bad input), RequestIdInUse, QueueFull or EngineStopped. Leaving
@@ -129,7 +129,8 @@ class AsyncVerifier:
             await self.call(lambda: self.engine.add_request(request_id, prompt_ids,
                                                             sampling, stop, arrival,
                                                             admission,
-                                                            num_speculative_tokens))
+                                                            num_speculative_tokens,
+                                                            generated))
         except BaseException as e:
             self._streams.pop(request_id, None)
             if not isinstance(e, ValueError) and self.alive:  # cancelled while queued

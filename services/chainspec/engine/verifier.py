@@ -110,12 +110,15 @@ class VerifierEngine(DraftProtocol):
     def add_request(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
                     stop: StopConditions, arrival_s: float | None = None,
                     admission: Admission = OWN_PARTY,
-                    num_speculative_tokens: int | None = None) -> None:
+                    num_speculative_tokens: int | None = None,
+                    generated: Sequence[int] = ()) -> None:
         """Queue a request. Raises ValueError for input the model cannot take.
         `arrival_s`: when it reached the server (`time.perf_counter()`; default now).
         `admission`: its priority and party (engine/admission.py).
         `num_speculative_tokens`: the request's cap on drafts per round (0: none; None or
-        more than K: K)."""
+        more than K: K). `generated`: output it already has (a continuation of a request
+        another verifier lost): it is admitted as if preempted here, so its stop
+        conditions count those tokens and seeded noise keys stay absolute positions."""
         if num_speculative_tokens is not None and num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if request_id in self.by_id:
@@ -137,8 +140,12 @@ class VerifierEngine(DraftProtocol):
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({stop.max_tokens}) "
                              f"exceeds the KV cache ({self.allocator.num_blocks} blocks of "
                              f"{self.allocator.block_size})")
+        if any(not 0 <= t < vocab for t in generated):
+            raise ValueError(f"generated token ids must be in [0, {vocab})")
         req = Request(request_id, list(prompt), sampling.resolve_seed(), stop,
                       self.config.num_steps)
+        if generated:
+            self._continue(req, generated)
         req.claims = self.claims.new()
         req.party, req.priority = admission.party or request_id, admission.priority
         req.seeded = sampling.seed is not None
@@ -153,6 +160,15 @@ class VerifierEngine(DraftProtocol):
         if self.observer is not None:
             self.observer.request_added(request_id, len(prompt),
                                         time.perf_counter() if arrival_s is None else arrival_s)
+
+    def _continue(self, req: Request, generated: Sequence[int]) -> None:
+        """Give a new request the output it already has: a preempted request's state
+        (recompute the committed prefix, then verify the newest token), finished at once
+        when that output already meets a stop condition."""
+        req.tokens.extend(generated)
+        preemption.requeue(req)
+        req.preemptions = 0
+        req.finish_reason = self._stop_reason(req, req.tokens[-1])
 
     def abort(self, request_id: str) -> bool:
         req = self.by_id.get(request_id)
@@ -281,8 +297,9 @@ class VerifierEngine(DraftProtocol):
     def _admit_free(self) -> None:
         while len(self.running) < self.config.max_seqs:
             req = next_admission(self.waiting, self.running)  # NOTE: _reap ends finished ones
+            tail = self.config.num_steps if self.drafter is not None else 1
             if req is None or not preemption.admit_blocks(req, self.allocator,
-                                                          self.config.num_steps):
+                                                          self.config.num_steps, tail):
                 break  # nobody waits, or wait for blocks
             self.waiting.remove(req)
             sizes = [0] * self.config.groups
@@ -321,6 +338,10 @@ class VerifierEngine(DraftProtocol):
         for req in done:
             if req in self.waiting:
                 self.waiting.remove(req)
+                if req.finish_reason is not FinishReason.ABORT and not req.error:
+                    # NOTE: a continuation whose output was already complete
+                    outputs.append(RequestOutput(req.request_id, (), req.finish_reason,
+                                                 req.stop_string, stats=req.stats))
             else:
                 self.running.remove(req)
                 req.blocks.release(self.allocator)
@@ -367,6 +388,7 @@ class VerifierEngine(DraftProtocol):
         (DESIGN 4.9: nothing recomputed), and window blocks no row can see go back."""
         req.claims.state_row = kept_row
         self.claims.trim(req.claims, req.num_computed)
+        preemption.cache_committed(req, self.allocator)  # prefix caching (DESIGN 4.12)
 
     def _append_until_stop(self, req: Request, new: list[int]) -> list[int]:
         emitted = []

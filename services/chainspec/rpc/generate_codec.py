@@ -52,6 +52,8 @@ class GenerateArgs:
     include_stop_str: bool = False  # the matched stop string stays in the text
     admission: Admission = OWN_PARTY  # priority and party (engine/admission.py)
     num_speculative_tokens: int | None = None  # the request's cap on drafts per round
+    generated: tuple[int, ...] = ()  # a continuation's output so far (another verifier's)
+    text_sent: int = 0  # characters of that output's text the client already has
 
 
 def parse_generate(req: pb.GenerateRequest, limits: GenerateLimits,
@@ -62,10 +64,25 @@ def parse_generate(req: pb.GenerateRequest, limits: GenerateLimits,
     if sampling.min_tokens > wanted:
         raise invalid(f"sampling.min_tokens: must be <= stop.max_tokens ({wanted}), got "
                       f"{sampling.min_tokens}")
+    generated = _continuation(req, limits, len(prompt))
     return GenerateArgs(req.request_id, prompt, sampling, _stop(req, limits, len(prompt)),
                         req.stop.include_stop_str_in_output, _admission(req, limits),
                         req.num_speculative_tokens
-                        if req.HasField("num_speculative_tokens") else None)
+                        if req.HasField("num_speculative_tokens") else None,
+                        generated, req.continuation.text_sent)
+
+
+def _continuation(req: pb.GenerateRequest, limits: GenerateLimits,
+                  prompt_len: int) -> tuple[int, ...]:
+    """The output a continued request already has (empty: a new request)."""
+    if not req.HasField("continuation"):
+        return ()
+    ids = check_tokens(req.continuation.token_ids, limits.vocab_size,
+                       name="continuation.token_ids")
+    if prompt_len + len(ids) > limits.context:  # equal: finished at admission (LENGTH)
+        raise invalid(f"continuation.token_ids: {prompt_len} prompt and {len(ids)} generated "
+                      f"tokens do not fit the context of {limits.context} tokens")
+    return tuple(ids)
 
 
 def _admission(req: pb.GenerateRequest, limits: GenerateLimits) -> Admission:

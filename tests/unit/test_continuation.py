@@ -1,0 +1,77 @@
+"""A continuation (GenerateRequest.continuation, the gateway's mid-stream failover): a
+request re-admitted with the output another verifier already streamed produces exactly
+the rest of the uninterrupted output -- greedy, seeded sampling with penalties and
+min_tokens, with and without drafts -- and its text continues where the client's ends,
+stop strings and multi-byte characters across the cut included."""
+
+from __future__ import annotations
+
+import pytest
+
+from chainspec.engine.request import FinishReason, StopConditions
+from chainspec.engine.sampling import SamplingParams
+from tests.unit.engine_fixtures import engine, prompts, tied_pair
+
+TOKENS = 24
+SAMPLED = SamplingParams(temperature=0.9, top_k=20, seed=7, presence_penalty=2.0,
+                         frequency_penalty=2.0, min_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tied_pair()
+
+
+def _run(eng, prompt, params, generated=(), max_tokens=TOKENS):
+    eng.add_request("r", prompt, params, StopConditions(max_tokens=max_tokens,
+                                                        ignore_eos=True),
+                    generated=generated)
+    tokens, reason = [], None
+    while eng.has_work:
+        for out in eng.step():
+            tokens.extend(out.new_tokens)
+            reason = out.finish_reason or reason
+    return tokens, reason
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SAMPLED],
+                         ids=["greedy", "seeded"])
+def test_a_continuation_gives_the_rest_of_the_uninterrupted_output(pair, params,
+                                                                   speculative):
+    target, draft = pair
+    make = lambda: engine(target, draft if speculative else None)  # noqa: E731
+    for prompt in prompts(3, seed=5):
+        whole, reason = _run(make(), prompt, params)
+        assert len(whole) == TOKENS and reason is FinishReason.LENGTH
+        for cut in (1, 5, 13, TOKENS - 1):  # min_tokens (6) still pending at 1 and 5
+            rest, reason = _run(make(), prompt, params, generated=whole[:cut])
+            assert whole[:cut] + rest == whole, (prompt, cut)
+            assert reason is FinishReason.LENGTH
+
+
+def test_penalties_count_the_continued_tokens_as_generated(pair):
+    """Had the continued tokens been taken as prompt, presence/frequency penalties would
+    not see them: the seeded output would change (shown by running it that way)."""
+    target, _ = pair
+    prompt = prompts(1, seed=5)[0]
+    whole, _ = _run(engine(target), prompt, SAMPLED)
+    as_prompt, _ = _run(engine(target), prompt + whole[:12], SAMPLED,
+                        max_tokens=TOKENS - 12)
+    assert as_prompt != whole[12:]  # so the first test's equality is not automatic
+
+
+def test_a_continuation_already_complete_finishes_at_once(pair):
+    target, _ = pair
+    prompt = prompts(1)[0]
+    whole, _ = _run(engine(target), prompt, SamplingParams(temperature=0.0))
+    eng = engine(target)
+    rest, reason = _run(eng, prompt, SamplingParams(temperature=0.0), generated=whole)
+    assert rest == [] and reason is FinishReason.LENGTH
+    assert eng.allocator.num_used == 0 and not eng.by_id
+
+
+def test_continued_token_ids_must_be_in_the_vocabulary(pair):
+    with pytest.raises(ValueError, match="generated token ids"):
+        engine(pair[0]).add_request("r", [1, 2], SamplingParams(), StopConditions(),
+                                    generated=[1, 10_000])
