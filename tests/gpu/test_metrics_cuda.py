@@ -20,7 +20,7 @@ CUDA = torch.device("cuda")
 
 
 def value(metrics, name, **labels):
-    return metrics.registry.get_sample_value(name, {"model": "m", **labels}) or 0.0
+    return metrics.registry.get_sample_value(name, {"model_name": "m", **labels}) or 0.0
 
 
 def test_step_clock_times_cuda_work():

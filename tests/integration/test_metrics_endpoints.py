@@ -119,7 +119,7 @@ def test_verifier_counters_match_what_clients_got(services, usage):
                  "chainspec_request_queue_time_seconds_count"):
         assert total(s, name) == n, name
     assert total(s, "chainspec_inter_token_latency_seconds_count") == sum(MAX_TOKENS) - n
-    assert total(s, "chainspec_requests_finished_total", reason="length") == n
+    assert total(s, "chainspec_request_success_total", finished_reason="length") == n
     assert total(s, "chainspec_num_requests_running") == 0
     assert total(s, "chainspec_draft_round_trip_seconds_count") > 0
     assert total(s, "chainspec_draft_transfer_bytes_total", direction="sent") > \
@@ -128,7 +128,7 @@ def test_verifier_counters_match_what_clients_got(services, usage):
     assert total(s, "chainspec_grpc_server_handled_total",
                  method="/chainspec.v1.Verifier/Generate", code="OK") == n
     info = [ls for (name, ls) in s if name == "chainspec_build_info"]
-    assert dict(info[0]) | {"version": ""} == {"model": "tiny", "num_steps": "3",
+    assert dict(info[0]) | {"version": ""} == {"model_name": "tiny", "num_steps": "3",
                                                "dtype": "float32", "chain": "true",
                                                "version": ""}
 

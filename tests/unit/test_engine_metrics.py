@@ -40,7 +40,7 @@ def build(models, verifier_metrics=None, drafter_metrics=None, client=None):
 
 
 def value(metrics, name: str, **labels) -> float:
-    got = metrics.registry.get_sample_value(name, {"model": "tiny", **labels})
+    got = metrics.registry.get_sample_value(name, {"model_name": "tiny", **labels})
     return 0.0 if got is None else got
 
 
@@ -67,11 +67,25 @@ def test_verifier_counters_agree_with_the_requests(models):
     assert value(vm, "chainspec_request_queue_time_seconds_count") == n
     assert value(vm, "chainspec_e2e_request_latency_seconds_count") == n
     assert value(vm, "chainspec_inter_token_latency_seconds_count") == generated - n
-    assert value(vm, "chainspec_requests_finished_total", reason="length") == n
+    assert value(vm, "chainspec_request_success_total", finished_reason="length") == n
+    # per-request histograms: one sample per request, sums equal the token counts
+    assert value(vm, "chainspec_request_prompt_tokens_count") == n
+    assert value(vm, "chainspec_request_prompt_tokens_sum") == sum(map(len, PROMPTS))
+    assert value(vm, "chainspec_request_generation_tokens_sum") == generated
+    for phase in ("prefill", "decode", "inference"):
+        assert value(vm, f"chainspec_request_{phase}_time_seconds_count") == n, phase
+    assert value(vm, "chainspec_request_time_per_output_token_seconds_count") == n
+    # the phases add up: queue + prefill + decode = end to end (same clock readings)
+    e2e = value(vm, "chainspec_e2e_request_latency_seconds_sum")
+    parts = sum(value(vm, f"chainspec_{name}_seconds_sum") for name in (
+        "request_queue_time", "request_prefill_time", "request_decode_time"))
+    assert parts == pytest.approx(e2e, rel=1e-6)
+    assert value(vm, "chainspec_request_inference_time_seconds_sum") == pytest.approx(
+        e2e - value(vm, "chainspec_request_queue_time_seconds_sum"), rel=1e-6)
     assert value(vm, "chainspec_verify_step_seconds_count") > 0
     assert value(vm, "chainspec_plain_decode_fallbacks_total", reason="late") == 0
     assert value(vm, "chainspec_num_requests_running") == 0
-    assert value(vm, "chainspec_kv_cache_usage_ratio") == 0
+    assert value(vm, "chainspec_kv_cache_usage_perc") == 0
     # the drafter: every round eager on CPU, each with K timed steps, nothing held after
     rounds = value(dm, "chainspec_drafter_batch_size_count")
     eager = sum(value(dm, "chainspec_drafter_eager_runs_total", reason=r)
@@ -163,7 +177,7 @@ def test_drafter_counts_out_of_sync_updates(models):
     engine.update([SeqUpdate(7, 0, (1, 2), torch.zeros(2, hidden.shape[1]))])
     assert value(dm, "chainspec_drafter_sequences") == 1
     # one block of 16 positions held, of 4 sequences x 256 positions
-    assert value(dm, "chainspec_drafter_kv_cache_usage_ratio") == 1 / (4 * 256 // 16)
+    assert value(dm, "chainspec_drafter_kv_cache_usage_perc") == 1 / (4 * 256 // 16)
     engine.release([7])
     assert value(dm, "chainspec_drafter_sequences") == 0
 

@@ -142,9 +142,9 @@ def test_the_speculation_off_alert_fires_only_while_ready_drafters_go_unused(tmp
     annotations = {"summary": "chainspec verifier verifier-0 has no drafter link while "
                               "drafters are ready",
                    "description": rule["annotations"]["description"]}
-    labels = '{model="m", member="verifier-0"}'
-    other = '{model="m", member="verifier-1"}'
-    healed = '{model="m", member="verifier-2"}'
+    labels = '{model_name="m", member="verifier-0"}'
+    other = '{model_name="m", member="verifier-1"}'
+    healed = '{model_name="m", member="verifier-2"}'
     (tmp_path / "test.yaml").write_text(yaml.safe_dump({
         "rule_files": ["rules.yaml"], "evaluation_interval": "15s",
         "tests": [{"interval": "15s", "input_series": [
@@ -157,7 +157,7 @@ def test_the_speculation_off_alert_fires_only_while_ready_drafters_go_unused(tmp
         ], "alert_rule_test": [
             {"eval_time": "30s", "alertname": "ChainspecSpeculationOff", "exp_alerts": []},
             {"eval_time": "2m", "alertname": "ChainspecSpeculationOff", "exp_alerts": [
-                {"exp_labels": {"severity": "critical", "model": "m",
+                {"exp_labels": {"severity": "critical", "model_name": "m",
                                 "member": "verifier-0"}, "exp_annotations": annotations}]},
         ]}]}))
     out = subprocess.run([promtool(), "test", "rules", "test.yaml"], cwd=tmp_path,

@@ -68,10 +68,10 @@ def test_preemptions_and_block_usage_reach_metrics(pair, plain):
                         StopConditions(max_tokens=30))
     while eng.has_work:
         eng.step()
-        usage.append(vm.registry.get_sample_value("chainspec_kv_cache_usage_ratio",
-                                                  {"model": "tiny"}))
+        usage.append(vm.registry.get_sample_value("chainspec_kv_cache_usage_perc",
+                                                  {"model_name": "tiny"}))
     preempted = vm.registry.get_sample_value("chainspec_num_preemptions_total",
-                                             {"model": "tiny"})
+                                             {"model_name": "tiny"})
     assert preempted == eng.preemptions > 0
     assert max(usage) > 0.8 and usage[-1] == 0  # blocks over blocks, all back at the end
 

@@ -14,3 +14,5 @@ CALL_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
           10.0, 30.0, 60.0, 300.0, 1800.0, 7200.0)
 # rows of a drafter window, sequences in a draft batch
 COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
+# tokens of one request (prompt, generation): 1-2-5 steps to a million
+TOKENS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5)) + (1_000_000,)

@@ -18,7 +18,7 @@ EAGER_REASONS = ("no_graph", "batch_too_large", "window_too_large")
 class DrafterMetrics(GrpcServiceMetrics):
     def __init__(self, model: str, num_steps: int) -> None:
         super().__init__(model)
-        rec = self.recorder = Recorder({"model": model})
+        rec = self.recorder = Recorder({"model_name": model})
         steps = rec.histogram("chainspec_drafter_step_seconds", "One chained draft step "
                               "(module k, head, sampling), by step 1..K; not measured on "
                               "graph replays", STEP_S, "step")
@@ -39,8 +39,8 @@ class DrafterMetrics(GrpcServiceMetrics):
                                        "FAILED_PRECONDITION (unknown sequence or wrong "
                                        "start)").child()
         self.sequences = rec.gauge("chainspec_drafter_sequences", "Sequences held").child()
-        self.kv_usage = rec.gauge("chainspec_drafter_kv_cache_usage_ratio",
-                                  "Drafter KV cache blocks in use / blocks (0-1)").child()
+        self.kv_usage = rec.gauge("chainspec_drafter_kv_cache_usage_perc",
+                                  "Drafter KV cache blocks in use / blocks (a fraction)").child()
         self.registry.register(rec)
 
     # -- DrafterObserver (engine thread) --------------------------------------------------

@@ -16,7 +16,7 @@ class ServiceMetrics:
     labels say what this process serves: version, model, K, dtype, chain mode."""
 
     def __init__(self, model: str = "") -> None:
-        self.model = model  # the `model` label of this process's metrics
+        self.model = model  # the `model_name` label of this process's metrics
         self.registry = CollectorRegistry(auto_describe=True)
         self._info = Info("chainspec_build", "What this process runs (value 1)",
                           registry=self.registry)
@@ -24,7 +24,7 @@ class ServiceMetrics:
 
     def set_info(self, num_steps: int | None = None, dtype: str = "",
                  chain: bool | None = None) -> None:
-        self._info.info({"version": chainspec_version(), "model": self.model,
+        self._info.info({"version": chainspec_version(), "model_name": self.model,
                          "num_steps": "" if num_steps is None else str(num_steps),
                          "dtype": dtype, "chain": "" if chain is None else str(chain).lower()})
 
