@@ -29,6 +29,7 @@ class KVBudget:
     fraction: float | None = None  # share of free device memory (CUDA only)
     block_size: int = DEFAULT_BLOCK_SIZE
     blocks: int | None = None  # an exact full-length block count (tests, benchmarks)
+    prefix_caching: bool = True  # --enable-prefix-caching (DESIGN 4.12)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -106,7 +107,20 @@ def model_cache(specs: Sequence[CacheSpec], budget: KVBudget, max_seqs: int, max
                          separate_windows)
     claims = CacheClaims(layout.window_blocks, budget.block_size,
                          max_seqs if has_states else 0)
-    return cache, BlockAllocator(blocks, budget.block_size), claims
+    caching = budget.prefix_caching and caches_prefixes(specs, separate_windows)
+    return cache, BlockAllocator(blocks, budget.block_size, caching), claims
+
+
+def caches_prefixes(specs: Sequence[CacheSpec], separate_windows: bool) -> bool:
+    """Whether a cache of `specs` can share prefix blocks. NOTE: not yet with recurrent
+    states (a hit needs the state at the block boundary, not snapshotted yet) nor with
+    windowed groups whose blocks below the window go back to the pool (a hit needs the
+    window's last blocks, which a finished sequence no longer holds): those models prefill
+    every prompt in full (DESIGN 4.12, docs/design.md)."""
+    if any(isinstance(s, StateSpec) for s in specs):
+        return False
+    return not (separate_windows and any(isinstance(s, PagedSpec) and s.window is not None
+                                         for s in specs))
 
 
 def paged_cache(num_layers: int, num_kv_heads: int, head_dim: int, budget: KVBudget,

@@ -96,6 +96,7 @@ class Request:
         self.stats = RequestStats(num_steps)
         self.max_drafts = num_steps  # the request's cap on drafts verified per round
         self.wants_drafts = True  # adaptive depth (4.11): ask the drafter for next round's
+        self.grammar = None  # GrammarMatcher over the committed output (structured output)
 
     @property
     def prefill_len(self) -> int:

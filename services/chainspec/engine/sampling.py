@@ -16,8 +16,12 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from chainspec.engine.grammar import Grammar
 
 _U32 = 0xFFFFFFFF
 _SEED_MIN, _SEED_END = -(1 << 63), 1 << 64
@@ -52,6 +56,8 @@ class SamplingParams:
     pairs); min_p in [0, 1] after temperature; min_tokens: EOS and stop token ids are
     masked until that many tokens were generated.
     num_logprobs: None = no logprobs; n in [0, 20] = the chosen token's and n alternatives.
+    grammar: None = free text; else the compiled grammar every token must follow
+    (structured output, engine/grammar.py; masked in engine/grammar_mask.py).
     """
 
     temperature: float = 1.0
@@ -65,6 +71,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     num_logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         self._check_basic()

@@ -34,6 +34,7 @@ from chainspec.engine.draft_client import DraftClient
 from chainspec.engine.draft_types import (
     SeqUpdate,
 )
+from chainspec.engine.grammar import start_grammar
 from chainspec.engine.kv_budget import KVBudget, model_cache
 from chainspec.engine.observer import VerifierObserver, VerifierStepRecord
 from chainspec.engine.request import FinishReason, Request, RequestOutput, StopConditions
@@ -146,6 +147,8 @@ class VerifierEngine(DraftProtocol):
                       self.config.num_steps)
         if generated:
             self._continue(req, generated)
+        if sampling.grammar is not None:  # NOTE: after _continue: it follows that output too
+            req.grammar = start_grammar(sampling.grammar, req.output_tokens, stop, vocab)
         req.claims = self.claims.new()
         req.party, req.priority = admission.party or request_id, admission.priority
         req.seeded = sampling.seed is not None

@@ -19,6 +19,7 @@ from chainspec.engine.acceptance import (
     coupled_noise,
     round_noise,
 )
+from chainspec.engine.grammar_mask import GrammarMasks
 from chainspec.engine.logits_processors import LogitsProcessing, WindowRequest
 from chainspec.engine.logprobs import TokenLogprob, host_logprobs, window_logprobs
 from chainspec.engine.sampling import SamplingBatch
@@ -101,11 +102,17 @@ def _decide(model: TargetModel, hidden: torch.Tensor, work: Sequence[Work],
     drafts = torch.tensor(drafts_list, dtype=torch.int64, device=device).view(b, k)
     num_drafts = torch.tensor([w.num_drafts for w in work], device=device)
     logits = model.logits(hidden[row_idx]).view(b, k + 1, -1)
+    raw = logits
     params = [w.request.sampling for w in work]
     if any(p.processes_logits for p in params):  # NOTE: outside any captured graph
         processing = LogitsProcessing.build([_window_request(w, eos_ids) for w in work],
                                             logits.shape[-1], device)
         logits = processing.apply(logits, drafts, num_drafts)  # [B, K+1, V]
+    masks = GrammarMasks.build([w.request.grammar for w in work],
+                               [w.tokens[1:1 + w.num_drafts] for w in work], k + 1,
+                               logits.shape[-1])
+    if masks is not None:  # structured output: after processing, before acceptance
+        logits = masks.apply(logits, raw if logits is not raw else None)
     if all(p.greedy for p in params):
         accepted, nxt = accept_greedy(logits, drafts, num_drafts)
     else:
@@ -114,6 +121,8 @@ def _decide(model: TargetModel, hidden: torch.Tensor, work: Sequence[Work],
     top_n = max((n for n in wanted if n is not None), default=None)
     window = None if top_n is None else window_logprobs(logits, drafts, accepted, nxt, top_n)
     pairs = torch.stack([accepted, nxt], dim=1).tolist()  # the step's one host sync
+    if masks is not None:
+        masks.settle(pairs)
     if window is None:
         return [VerifyResult(a, t) for a, t in pairs]
     window = type(window)(*(x.cpu() for x in (window.chosen, window.top_ids,
