@@ -68,6 +68,12 @@ class SeqUpdate:
     # The drafts the verifier will verify after this update when it already holds them
     # (a look-ahead hit); empty: the drafts this update asks for.
     verifying: tuple[int, ...] = ()
+    # Prefix caching (DESIGN 4.12, engine/prefix_cache.py): (end position, drafter key)
+    # of full blocks, keyed by their chain hash and the K tokens after them. The drafter
+    # caches its blocks that are final under them; an update that starts past 0 for a
+    # sequence the drafter does not hold carries the keys of every block below `start`
+    # (the prefix the verifier read from its cache), which the drafter reads from its own.
+    cache_keys: tuple[tuple[int, bytes], ...] = ()
 
     def __post_init__(self) -> None:
         n, shape = len(self.tokens), self.hidden.shape

@@ -223,7 +223,10 @@ class DrafterEngine:
                                             f"drafter is full ({self.config.max_seqs} sequences)")
                 state = _SeqState(_signed64(upd.sampling.seed))
                 self.seqs[upd.seq_id] = state
+            state.blocks.release(self.allocator)  # NOTE: some may be shared: write fresh ones
             state.next_start, state.hist_hidden, state.hist_tokens = 0, None, None
+        elif state is None and self._restore(upd):
+            state = self.seqs[upd.seq_id]
         elif state is None or upd.start != state.next_start:
             expected = None if state is None else state.next_start
             what = "unknown sequence" if state is None else f"expected start {expected}"
@@ -246,6 +249,39 @@ class DrafterEngine:
         return Window(tuple(state.blocks.blocks), upd.start - m, hidden, tokens,
                       upd.sampling.temperature, state.seed), None
 
+    def _restore(self, upd: SeqUpdate) -> bool:
+        """A new sequence whose prefix below `upd.start` the verifier read from its prefix
+        cache: take the MTP KV of that prefix from ours (DESIGN 4.12), or False (a miss:
+        the verifier resyncs). NOTE: no history rows: every cached block is final (its
+        KV was computed from the committed tokens the key covers), and the window starts
+        at `start`, so no row below it is written again."""
+        cache, bs = self.allocator.cache, self.allocator.block_size
+        if cache is None or len(self.seqs) >= self.config.max_seqs:
+            return False
+        keys = dict(upd.cache_keys)
+        blocks = [cache.lookup(keys[e]) if e in keys else None
+                  for e in range(bs, upd.start + 1, bs)]
+        hit = upd.start % bs == 0 and None not in blocks
+        cache.record(upd.start, upd.start if hit else 0)
+        if not hit:
+            return False
+        state = _SeqState(_signed64(upd.sampling.seed))
+        state.blocks.adopt(self.allocator, blocks)
+        state.next_start = upd.start
+        self.seqs[upd.seq_id] = state
+        return True
+
+    def _cache_final(self, upd: SeqUpdate, state: _SeqState) -> None:
+        """Cache the blocks `upd` names whose KV is final: every position p in them has
+        p <= next_start - K, so no later window rewrites it (DESIGN 3.2)."""
+        cache, bs = self.allocator.cache, self.allocator.block_size
+        if cache is None:
+            return
+        for end, key in upd.cache_keys:
+            if end % bs == 0 and end <= state.next_start - self.config.num_steps + 1 and \
+                    end // bs <= len(state.blocks):
+                cache.insert(key, state.blocks.blocks[end // bs - 1])
+
     def _run(self, windows: list[Window]) -> tuple[DraftOutput, str | None]:
         """The round's drafts, and why it ran eagerly (None: a CUDA graph replayed)."""
         if self.runner.fits(windows):
@@ -264,6 +300,7 @@ class DrafterEngine:
         state = self.seqs[upd.seq_id]
         keep = self.config.num_steps - 1
         state.next_start = upd.start + len(upd.tokens)
+        self._cache_final(upd, state)
         if keep == 0:
             return
         state.hist_hidden = window.hidden[-keep:].clone()

@@ -5,6 +5,10 @@ A preempted request keeps every committed token. On readmission it prefills posi
 0..N-1 (prompt and generated tokens alike) without sampling, then verifies x[N] as
 before; greedy and seeded sampling depend only on committed tokens and positions, so
 the client sees the same tokens (tested: `tests/unit/test_preemption.py`).
+
+Admission reads the longest cached prefix first (DESIGN 4.12, engine/prefix_cache.py), and
+committed full blocks are cached as they fill, so a readmitted sequence usually finds most
+of its own blocks still cached.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from chainspec.engine.block_allocator import BlockAllocator
+from chainspec.engine.prefix_cache import chain_hashes
 from chainspec.engine.request import Request
 from chainspec.engine.schedule import Work
 
@@ -45,9 +50,51 @@ def requeue(req: Request) -> None:
     req.num_computed = 0
     req.drafts, req.drafter_synced, req.resync_at = None, False, None
     req.drafts_ahead, req.ahead = False, None  # a look-ahead is for a round now gone
+    req.prefix_hit = req.num_cached = 0
     req.preemptions += 1
 
 
-def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int) -> bool:
-    """Admission by free blocks: the whole prefill plus one verify window, or nothing."""
-    return req.blocks.ensure(allocator, len(req.tokens) + num_steps + 1)
+def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare: int = 0
+                 ) -> bool:
+    """Admission by free blocks: the whole prefill plus one verify window, or nothing.
+
+    With prefix caching the table starts with the longest cached prefix (shared), whose
+    positions skip prefill. It ends at a block boundary before the last prompt row (the
+    engine needs that row's logits), so the rows computed write only this sequence's own
+    blocks, never a shared one (vLLM recomputes only the last token, into the shared
+    block). `spare`: blocks of the hit left out at its end and recomputed: 1 with a
+    drafter, whose MTP KV in a block depends on the K tokens after it, so it needs the
+    target's hidden rows of the last block to redo it for this continuation."""
+    need = len(req.tokens) + num_steps + 1
+    cache = allocator.cache
+    if cache is None:
+        return req.blocks.ensure(allocator, need)
+    limit = max(0, req.prefill_len - 1) // allocator.block_size
+    hit = cache.match(chain_hashes(req.tokens, allocator.block_size, req.block_hashes,
+                                   limit)[:limit])
+    hit = hit[:max(0, len(hit) - spare)]
+    idle = sum(cache.is_idle(b) for b in hit)  # NOTE: held from now on, no longer free
+    if allocator.blocks_for(need) - len(hit) > allocator.num_free - idle:
+        return False
+    req.blocks.adopt(allocator, hit)
+    if not req.blocks.ensure(allocator, need):
+        raise RuntimeError("admission counted blocks it could not take")
+    req.num_cached = len(hit)
+    req.num_computed = req.prefix_hit = len(hit) * allocator.block_size
+    cache.record(req.prefill_len, req.prefix_hit)
+    if not req.preemptions:
+        req.stats.cached_tokens = min(req.prefix_hit, req.prompt_len)
+    return True
+
+
+def cache_committed(req: Request, allocator: BlockAllocator) -> None:
+    """Cache the full blocks below `num_computed`: their KV holds committed tokens only
+    (rejected drafts' rows lie at or past num_computed), and nothing writes them again."""
+    cache, bs = allocator.cache, allocator.block_size
+    full = req.num_computed // bs
+    if cache is None or full <= req.num_cached:
+        return
+    hashes = chain_hashes(req.tokens, bs, req.block_hashes, full)
+    for i in range(req.num_cached, full):
+        cache.insert(hashes[i], req.blocks.blocks[i])
+    req.num_cached = full

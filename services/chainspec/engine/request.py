@@ -42,6 +42,7 @@ class RequestStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     fallback_rounds: int = 0  # plain decode rows for lack of drafts
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache (first admission)
     accepted_per_pos: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -76,6 +77,12 @@ class Request:
         self.blocks = BlockTable()  # KV blocks holding positions < num_computed (and more)
         self.claims = SeqClaims(())  # window tables and state slot (the engine sets them)
         self.recompute_len = 0  # after a preemption: committed positions to prefill again
+        # prefix caching (engine/prefix_cache.py): chain hashes of full blocks of `tokens`
+        # (as far as computed), positions the last admission read from the cache, and
+        # the leading blocks of `blocks` that are cached
+        self.block_hashes: list[bytes] = []
+        self.prefix_hit = 0
+        self.num_cached = 0
         self.preemptions = 0
         self.group = 0  # pipelined group (VerifierConfig.groups), set at admission
         self.party = request_id  # the client request it serves (engine/admission.py)

@@ -300,9 +300,10 @@ class VerifierEngine(DraftProtocol):
     def _admit_free(self) -> None:
         while len(self.running) < self.config.max_seqs:
             req = next_admission(self.waiting, self.running)  # NOTE: _reap ends finished ones
-            tail = self.config.num_steps if self.drafter is not None else 1
+            spare = 0 if self.drafter is None else -(-self.config.num_steps //
+                                                     self.allocator.block_size)
             if req is None or not preemption.admit_blocks(req, self.allocator,
-                                                          self.config.num_steps, tail):
+                                                          self.config.num_steps, spare):
                 break  # nobody waits, or wait for blocks
             self.waiting.remove(req)
             sizes = [0] * self.config.groups

@@ -14,6 +14,7 @@ from chainspec.engine.draft_types import (
     SeqFailure,
     SeqUpdate,
 )
+from chainspec.engine.prefix_cache import chain_hashes, draft_key
 from chainspec.engine.request import Request
 from chainspec.engine.schedule import Work, WorkKind
 from chainspec.engine.verify_batch import StepResult, VerifyResult
@@ -80,7 +81,8 @@ class DraftProtocol:
         self.resyncs += 1
         req.resync_at = None
         return SeqUpdate(self.seq_ids[req.request_id], 0, tuple(req.tokens[1:n + 1]),
-                         hidden.float().cpu(), True, self._draft_sampling(req))
+                         hidden.float().cpu(), True, self._draft_sampling(req),
+                         cache_keys=self._draft_keys(req, 0, n))
 
     def _ahead_drafts(self, req: Request, start: int, new: list[int]) -> DraftResult | None:
         """The next round's drafts if the look-ahead for the round at `start` guessed
@@ -118,7 +120,8 @@ class DraftProtocol:
         rows = item.num_rows if item.kind is WorkKind.PREFILL else verdict.accepted + 1
         hidden = result.hidden_rows(index, rows)
         tokens = tuple(req.tokens[item.start + 1: item.start + 1 + rows])
-        if item.kind is WorkKind.PREFILL and item.start == 0:
+        opens = item.kind is WorkKind.PREFILL and item.start == req.prefix_hit
+        if opens:  # NOTE: past 0 on a prefix hit: the drafter reads the rest from its cache
             req.drafter_synced = True
         ahead = self.config.draft_ahead and verdict is not None
         verifying = tuple(req.drafts.tokens.tolist()) if ahead and req.drafts_ahead else ()
@@ -128,7 +131,26 @@ class DraftProtocol:
             req.wants_drafts
         return SeqUpdate(self.seq_ids[req.request_id], item.start, tokens, hidden,
                          want_drafts=wants, sampling=self._draft_sampling(req),
-                         look_ahead=ahead, verifying=verifying)
+                         look_ahead=ahead, verifying=verifying,
+                         cache_keys=self._draft_keys(req, item.start, item.start + rows,
+                                                     opens))
+
+    def _draft_keys(self, req: Request, start: int, end: int, opens: bool = True
+                    ) -> tuple[tuple[int, bytes], ...]:
+        """Drafter keys (prefix_cache.draft_key) of the blocks an update from `start` to
+        `end` makes final (the drafter's KV at p <= end - K is: K tokens after each), and,
+        on an update that `opens` the sequence, of every block below `start` too."""
+        if self.allocator.cache is None:
+            return ()
+        bs, k = self.allocator.block_size, self.config.num_steps
+        first = 0 if opens else max(0, start - k + 1) // bs
+        last = max(max(0, end - k + 1) // bs, start // bs if opens else 0)
+        if last <= first:
+            return ()
+        hashes = chain_hashes(req.tokens, bs, req.block_hashes, last)
+        return tuple(((i + 1) * bs, draft_key(hashes[i], req.tokens[(i + 1) * bs:
+                                                                  (i + 1) * bs + k]))
+                     for i in range(first, last))
 
     def _draft_sampling(self, req: Request) -> DraftSampling:
         s = req.sampling

@@ -1,0 +1,239 @@
+"""Prefix caching (DESIGN 4.12): the pool's refcounts and LRU, the hash chain, and through
+the engines: a hit skips the cached rows in the verifier and in the drafter, and output is
+the same token for token with caching on and off, under eviction pressure."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from chainspec.engine.block_allocator import BlockAllocator, BlockTable
+from chainspec.engine.kv_budget import KVBudget
+from chainspec.engine.prefix_cache import PrefixCache, block_hash, chain_hashes
+from chainspec.engine.request import StopConditions
+from chainspec.engine.sampling import SamplingParams
+from chainspec.engine.schedule import WorkKind
+from tests.unit.engine_fixtures import engine, outputs, tied_pair
+
+BS = 4
+
+
+# -- the pool: refcounts, LRU, hash chain ------------------------------------------------
+def _cached_table(alloc: BlockAllocator, tokens: list[int]) -> BlockTable:
+    """A table over `tokens` whose full blocks are cached (as a commit would)."""
+    table = BlockTable()
+    assert table.ensure(alloc, len(tokens))
+    for h, b in zip(chain_hashes(tokens, alloc.block_size, []), table.blocks, strict=False):
+        alloc.cache.insert(h, b)
+    return table
+
+
+def test_a_held_cached_block_is_never_evicted() -> None:
+    alloc = BlockAllocator(4, BS, caching=True)
+    held = _cached_table(alloc, list(range(8)))  # 2 cached blocks, still held
+    idle = _cached_table(alloc, list(range(100, 108)))
+    idle_blocks = list(idle.blocks)
+    idle.release(alloc)
+    assert alloc.num_free == 2  # the idle cached ones count as free
+    got = alloc.allocate(2)
+    assert sorted(got) == sorted(idle_blocks)  # evicted: the only ones nobody holds
+    assert alloc.allocate(1) is None  # only held blocks are left: nothing is evicted
+    assert alloc.cache.match(chain_hashes(list(range(8)), BS, [])) == held.blocks
+
+
+def test_eviction_is_least_recently_used_and_a_hit_refreshes() -> None:
+    alloc = BlockAllocator(3, BS, caching=True)
+    a, b, c = ([i] * BS for i in (1, 2, 3))
+    tables = [_cached_table(alloc, t) for t in (a, b, c)]
+    for t in tables:  # released a, then b, then c: a is the oldest idle block
+        t.release(alloc)
+    ha, hb, hc = (chain_hashes(t, BS, []) for t in (a, b, c))
+    hit = alloc.cache.match(ha)  # a is used again, then let go: now the newest
+    alloc.hold(hit)
+    alloc.free(hit)
+    first = alloc.allocate(1)
+    assert alloc.cache.match(hb) == [] and alloc.cache.match(ha) and alloc.cache.match(hc)
+    second = alloc.allocate(1)
+    assert alloc.cache.match(hc) == [] and alloc.cache.match(ha)
+    assert first != second
+
+
+def test_the_same_block_after_a_different_prefix_is_not_a_hit() -> None:
+    cache = PrefixCache()
+    shared = [7] * BS
+    one = chain_hashes([1] * BS + shared, BS, [])
+    other = chain_hashes([2] * BS + shared, BS, [])
+    assert block_hash(one[0], shared) == one[1] != other[1]
+    cache.insert(one[0], 0)
+    cache.insert(one[1], 1)
+    assert cache.match(other) == []  # second block equal in content, parent differs
+    assert cache.match([other[0], one[1]]) == []  # a chain stops at its first miss
+    assert cache.match(one) == [0, 1]
+
+
+def test_refcounts_under_random_sharing_never_hand_out_a_held_block() -> None:
+    rng = random.Random(0)
+    alloc = BlockAllocator(24, BS, caching=True)
+    tables: list[BlockTable] = []
+    prefixes = [[rng.randrange(5) for _ in range(12)] for _ in range(3)]
+    for _ in range(600):
+        if tables and rng.random() < 0.4:
+            tables.pop(rng.randrange(len(tables))).release(alloc)
+            continue
+        tokens = rng.choice(prefixes)[:rng.choice((4, 8, 12))] + [rng.randrange(5)] * 5
+        table, hit = BlockTable(), alloc.cache.match(chain_hashes(tokens, BS, [])[:2])
+        idle = sum(alloc.cache.is_idle(b) for b in hit)
+        if alloc.blocks_for(len(tokens)) - len(hit) > alloc.num_free - idle:
+            continue
+        table.adopt(alloc, hit)
+        assert table.ensure(alloc, len(tokens))
+        for h, b in zip(chain_hashes(tokens, BS, []), table.blocks, strict=False):
+            alloc.cache.insert(h, b)
+        tables.append(table)
+        held = [b for t in tables for b in t.blocks]
+        assert all(alloc.refs(b) == held.count(b) for b in set(held))
+        assert alloc.num_used == len(set(held))
+    for t in tables:
+        t.release(alloc)
+    assert alloc.num_used == 0 and alloc.num_free == 24
+
+
+# -- through the engines -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pair():
+    return tied_pair()
+
+
+def _shared_prompts(n: int, prefix_len: int = 22, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(61) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(61) for _ in range(rng.randint(1, 9))] for _ in range(n)]
+
+
+def _kv(blocks: int, caching: bool) -> KVBudget:
+    return KVBudget(block_size=BS, blocks=blocks, prefix_caching=caching)
+
+
+def _count_evictions(cache: PrefixCache) -> list[int]:
+    evicted, evict = [], cache.evict
+
+    def counting() -> int:
+        evicted.append(1)
+        return evict()
+    cache.evict = counting
+    return evicted
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_outputs_equal_with_caching_on_and_off_under_eviction(pair, temperature):
+    """Seeded sampling and greedy, speculative, with pools small enough that cached
+    blocks are evicted in the verifier and in the drafter along the way."""
+    target, draft = pair
+    batch = _shared_prompts(10)
+    off_eng = engine(target, draft, max_seqs=3, kv=_kv(36, False), drafter_kv=_kv(40, False))
+    off = outputs(off_eng, batch, 24, temperature)[0]
+    assert off_eng.allocator.cache is None and off_eng.drafter.engine.allocator.cache is None
+    eng = engine(target, draft, max_seqs=3, kv=_kv(36, True), drafter_kv=_kv(40, True))
+    cache, drafter_cache = eng.allocator.cache, eng.drafter.engine.allocator.cache
+    evicted, drafter_evicted = _count_evictions(cache), _count_evictions(drafter_cache)
+    on, result = outputs(eng, batch, 24, temperature)
+    assert on == off
+    assert cache.hits > 0 and drafter_cache.hits == drafter_cache.queries > 0
+    assert evicted and drafter_evicted  # the pools were too small to keep everything
+    assert eng.resyncs == 0  # every drafter hit was whole
+    assert sum(c.stats.accepted_tokens for c in result.completions) > 0
+
+
+def test_plain_decoding_matches_a_roomy_run_when_cached_blocks_are_evicted(pair):
+    target, _ = pair
+    batch = _shared_prompts(10, seed=3)
+    roomy = outputs(engine(target, max_seqs=2, kv=_kv(400, False)), batch, 24)[0]
+    eng = engine(target, max_seqs=2, kv=_kv(20, True))
+    evicted = _count_evictions(eng.allocator.cache)
+    assert outputs(eng, batch, 24)[0] == roomy
+    assert evicted and eng.allocator.cache.hits > 0
+    assert eng.allocator.num_used == 0  # every holder let go; cached blocks are free
+
+
+class _Rows:
+    """An observer that counts the prefill rows the target computes per request."""
+
+    def __init__(self) -> None:
+        self.prefill: dict[str, int] = {}
+
+    def request_added(self, request_id, prompt_len, arrival_s) -> None:
+        self.prefill[request_id] = 0
+
+    def step_done(self, step) -> None:
+        for w in step.work:
+            if w.kind is WorkKind.PREFILL:
+                self.prefill[w.request.request_id] += w.num_rows
+
+
+def _run_one(eng, rid: str, prompt: list[int]) -> list[int]:
+    eng.add_request(rid, prompt, SamplingParams(temperature=0.0), StopConditions(max_tokens=8))
+    got = []
+    while eng.has_work:
+        for out in eng.step():
+            got.extend(out.new_tokens)
+    return got
+
+
+def test_a_second_request_prefills_only_what_is_not_cached(pair):
+    target, draft = pair
+    k = 3
+    eng = engine(target, draft, k=k, kv=_kv(200, True), drafter_kv=_kv(200, True))
+    eng.observer = rows = _Rows()
+    drafter = eng.drafter.engine
+    prefix = list(range(1, 41))  # 40 tokens: 10 full blocks
+    _run_one(eng, "a", prefix + [50, 51, 52])
+    assert rows.prefill["a"] == 43
+    assert drafter.allocator.cache.hits == 0
+    _run_one(eng, "b", prefix + [53, 54, 55, 56, 57])
+    # 10 shared blocks; the last is recomputed: the drafter's MTP KV there reads the
+    # K tokens after it, which differ, so it needs the target's hidden rows of it
+    assert eng.allocator.cache.hits == 36 and rows.prefill["b"] == 45 - 36
+    assert drafter.allocator.cache.queries == 36 and drafter.allocator.cache.hits == 36
+    assert eng.resyncs == 0  # the drafter read its MTP KV from its cache: no recompute
+    assert eng.allocator.cache.queries == 43 + 45
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_block(pair):
+    target, _ = pair
+    eng = engine(target, kv=_kv(200, True))
+    eng.observer = rows = _Rows()
+    prompt = list(range(1, 33))  # 8 full blocks
+    first = _run_one(eng, "a", prompt)
+    again = _run_one(eng, "b", prompt)
+    assert again == first
+    assert rows.prefill["b"] == BS  # the last block recomputed: logits, and no shared write
+
+
+def test_drafts_after_a_drafter_hit_equal_those_without_caching(pair):
+    """Acceptance (a function of the drafts) is unchanged by reading the MTP KV from the
+    drafter's cache: the drafter state restored on a hit is exact."""
+    target, draft = pair
+    batch = _shared_prompts(6, prefix_len=30, seed=5)
+    stats = {}
+    for caching in (False, True):
+        eng = engine(target, draft, max_seqs=1, kv=_kv(400, caching),
+                     drafter_kv=_kv(400, caching))
+        toks, result = outputs(eng, batch, 20)
+        stats[caching] = toks, [c.stats.accepted_per_pos for c in result.completions]
+        if caching:
+            assert eng.drafter.engine.allocator.cache.hits > 0 and eng.resyncs == 0
+    assert stats[True] == stats[False]
+
+
+def test_cached_tokens_reach_the_request_stats(pair):
+    target, _ = pair
+    eng = engine(target, kv=_kv(200, True))
+    prompt = list(range(1, 30))
+    for rid in ("a", "b"):
+        eng.add_request(rid, prompt, SamplingParams(), StopConditions(max_tokens=4))
+        final = None
+        while eng.has_work:
+            for out in eng.step():
+                final = out.stats or final
+        assert final.cached_tokens == (0 if rid == "a" else 28)
