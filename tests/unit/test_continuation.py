@@ -7,9 +7,13 @@ stop strings and multi-byte characters across the cut included."""
 from __future__ import annotations
 
 import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers
 
-from chainspec.engine.request import FinishReason, StopConditions
+from chainspec.engine.request import FinishReason, RequestOutput, StopConditions
 from chainspec.engine.sampling import SamplingParams
+from chainspec.models.tokenizer import Tokenizer
+from chainspec.rpc.verifier_service import _ResponseWriter
 from tests.unit.engine_fixtures import engine, prompts, tied_pair
 
 TOKENS = 24
@@ -75,3 +79,57 @@ def test_continued_token_ids_must_be_in_the_vocabulary(pair):
     with pytest.raises(ValueError, match="generated token ids"):
         engine(pair[0]).add_request("r", [1, 2], SamplingParams(), StopConditions(),
                                     generated=[1, 10_000])
+
+
+# ------------------------------------------------------------------------ stream text
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer() -> Tokenizer:
+    """Byte-level tokenizer without merges: every UTF-8 byte is one token."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    backend = Backend(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return Tokenizer(backend, ())
+
+
+def _text(writer: _ResponseWriter, ids, stop: str | None) -> str:
+    """The text a client gets from the writer for `ids`, one token per engine output;
+    the last output finishes (STOP at `stop`, else LENGTH)."""
+    outs = [RequestOutput("r", (t,)) for t in ids[:-1]]
+    outs.append(RequestOutput("r", (ids[-1],), FinishReason.STOP if stop else
+                              FinishReason.LENGTH, stop))
+    return "".join(m.chunk.text for o in outs for m in writer.messages(o)
+                   if m.HasField("chunk"))
+
+
+@pytest.mark.parametrize("stop", [None, "STOP"])
+def test_resumed_text_continues_the_client_text_at_every_cut(byte_tokenizer, stop):
+    """Cut the stream after every token: the text sent before the cut plus what a
+    continuation's writer sends equals the uninterrupted text, so nothing held back (a
+    stop-string prefix, half a character) is lost or sent twice."""
+    prompt = byte_tokenizer.encode("say:")
+    ids = byte_tokenizer.encode("a € 你好 ST🙂 STOP")
+    stops = (stop,) if stop else ()
+    whole = _text(_ResponseWriter("r", prompt, byte_tokenizer, stops), ids, stop)
+    assert whole == ("a € 你好 ST🙂 " if stop else "a € 你好 ST🙂 STOP")
+    held = 0
+    for cut in range(1, len(ids)):
+        first = _ResponseWriter("r", prompt, byte_tokenizer, stops)
+        sent = "".join(m.chunk.text for t in ids[:cut]
+                       for m in first.messages(RequestOutput("r", (t,))))
+        held += sent != byte_tokenizer.decode(ids[:cut])  # a stop prefix, half a character
+        second = _ResponseWriter("r", prompt, byte_tokenizer, stops)
+        second.resume(ids[:cut], len(sent))
+        assert sent + _text(second, ids[cut:], stop) == whole, cut
+    assert held > 0  # some cuts fell while text was held back
+
+
+def test_text_the_client_lacks_goes_out_with_the_first_chunk(byte_tokenizer):
+    """A continuation whose client has less of the text than its tokens decode to (an
+    older verifier held more back) gets the rest first: nothing is lost."""
+    ids = byte_tokenizer.encode("hello world")
+    writer = _ResponseWriter("r", byte_tokenizer.encode("say:"), byte_tokenizer, ())
+    writer.resume(ids[:5], 2)  # "hello" generated, "he" sent
+    assert _text(writer, ids[5:], None) == "llo world"
