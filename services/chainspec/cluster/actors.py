@@ -24,6 +24,7 @@ from chainspec.engine.factory import TimedDrafterEngine, load_drafter
 from chainspec.metrics.drafter import DrafterMetrics
 from chainspec.metrics.verifier import VerifierMetrics
 from chainspec.models.errors import CheckpointError
+from chainspec.models.hub import served_name
 from chainspec.rpc.drafter_service import serve_drafter
 from chainspec.rpc.server import ServerOptions
 from chainspec.rpc.verifier_service import VerifierOptions, serve_verifier
@@ -163,7 +164,7 @@ class DrafterActor(_ServiceActor):
         return {"updates": self.engine.updates, "update_s_total": self.engine.update_s_total}
 
     async def serve(self) -> Any:
-        name = os.path.basename(self.config.model_dir)
+        name = served_name(self.config.model_dir)
         metrics = DrafterMetrics(name, self.config.num_steps)
         self.engine = await asyncio.to_thread(self._build_engine, metrics)
         return await serve_drafter(self.engine, self.server_options(), name, metrics=metrics)

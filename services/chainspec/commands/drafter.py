@@ -28,6 +28,7 @@ from chainspec.engine.drafter import DrafterConfig
 from chainspec.engine.factory import drafter_config, load_drafter
 from chainspec.engine.options import LocalOptions
 from chainspec.metrics.drafter import DrafterMetrics
+from chainspec.models.hub import served_name
 from chainspec.rpc.drafter_service import serve_drafter
 from chainspec.rpc.server import ServerOptions
 
@@ -69,7 +70,7 @@ def resolve(args: argparse.Namespace) -> DrafterCommand:
     if local.tensor_parallel_size > 1:  # -tp: refused before anything loads
         from chainspec.engine.tp_launch import check_model
         check_model(local.model_dir, local.tensor_parallel_size, draft=True)
-    name = args.model_name or Path(local.model_dir).resolve().name
+    name = args.model_name or served_name(Path(local.model_dir).resolve())
     return DrafterCommand(local, drafter_config(local), server_options(args, config), name)
 
 

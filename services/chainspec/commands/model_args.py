@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from chainspec.commands.hub_args import add_hub_args, local_model
 from chainspec.commands.stack_flags import add_flags, flags_config
 from chainspec.engine.options import LocalOptions
 
@@ -34,6 +35,7 @@ VERIFIER_ALIASES = {"host": ("--host",)}
 def add_model_args(p: argparse.ArgumentParser, keys: Sequence[str] = ENGINE_KEYS,
                    aliases: dict[str, tuple[str, ...]] | None = None) -> None:
     add_flags(p, keys, aliases)
+    add_hub_args(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a CPU, models of the demo's "
@@ -44,4 +46,5 @@ def local_options(args: argparse.Namespace, role: str = "verifier") -> LocalOpti
     """The engine options of the `role` engine this command runs, on --device."""
     if getattr(args, "threads", 0) and not getattr(args, "dry_run", False):
         torch.set_num_threads(args.threads)
-    return dataclasses.replace(flags_config(args).local_options(role), device=args.device)
+    config = local_model(flags_config(args), args)  # a Hub id: its local snapshot
+    return dataclasses.replace(config.local_options(role), device=args.device)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from chainspec.commands.help_format import DefaultsHelpFormatter
+from chainspec.commands.hub_args import add_hub_args, local_model
 from chainspec.commands.signals import until_stopped
 from chainspec.commands.stack_flags import add_stack_args, file_with_flags
 from chainspec.gateway.config import GatewayConfig
@@ -43,6 +44,7 @@ def add_parser(sub) -> list[str]:
     p = sub.add_parser("serve", help="the whole stack with the OpenAI-compatible HTTP API",
                        description=__doc__, formatter_class=DefaultsHelpFormatter)
     add_stack_args(p)
+    add_hub_args(p)
     p.add_argument("--address", help="join the Ray cluster at this address "
                                      "(default: an embedded local Ray)")
     p.add_argument("--host", help="HTTP address to listen on (default 127.0.0.1)")
@@ -105,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from chainspec.cluster.plain_target import check_stack_model, serve_plainly
 
     config = resolve(args)
+    config = dataclasses.replace(config, stack=local_model(config.stack, args))  # a Hub id
     plain, warning = serve_plainly(config.stack)
     if warning:  # a model without MTP modules: no drafters
         config = dataclasses.replace(config, stack=plain)

@@ -23,6 +23,7 @@ from chainspec.cluster import stack
 from chainspec.cluster.config import StackConfig
 from chainspec.cluster.controller import START_TIMEOUT_S
 from chainspec.cluster.plain_target import check_stack_model, serve_plainly
+from chainspec.commands.hub_args import add_hub_args, local_model
 from chainspec.commands.server_args import jsonable
 from chainspec.commands.signals import until_stopped
 from chainspec.commands.stack_args import print_members, stack_config
@@ -33,6 +34,7 @@ def add_parser(sub) -> list[str]:
     p = sub.add_parser("up", help="start drafters and verifiers as Ray actors",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_stack_args(p, aliases={"host": ("--host",)})  # serve's --host is the HTTP one
+    add_hub_args(p)
     p.add_argument("--address", default=None,
                    help="join the Ray cluster at this address (default: embedded local Ray)")
     p.add_argument("--detach", action="store_true", help="return once the stack is ready")
@@ -45,7 +47,7 @@ def add_parser(sub) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    config, warning = serve_plainly(stack_config(args))
+    config, warning = serve_plainly(local_model(stack_config(args), args))  # a Hub id
     if warning:
         print(f"chainspec up: warning: {warning}", file=sys.stderr, flush=True)
     check_stack_model(config, must_exist=args.address is None)  # before Ray

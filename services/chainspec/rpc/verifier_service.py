@@ -37,6 +37,7 @@ from chainspec.engine.options import DrafterMode, LocalOptions
 from chainspec.engine.request import FinishReason, RequestOutput, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.metrics.verifier import VerifierMetrics
+from chainspec.models.hub import served_name
 from chainspec.models.target import TargetModel
 from chainspec.models.tokenizer import Tokenizer
 from chainspec.rpc.channel import ClientOptions
@@ -244,7 +245,7 @@ class VerifierOptions:
 
     @property
     def name(self) -> str:
-        return self.model_name or Path(self.model.model_dir).name
+        return self.model_name or served_name(self.model.model_dir)  # org/name: a Hub id
 
     @classmethod
     def of_stack(cls, config: StackConfig, **overrides) -> VerifierOptions:
