@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import pickle
 import socket
 import threading
 import time
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from chainspec.engine.tp_packing import pack, unpack
 from chainspec.models.attention import AttnBatch, DenseCausal, PagedAttention, PagedGroup
 from chainspec.models.cache_spec import StateSpec
 from chainspec.models.kv_cache import ModelKVCache
@@ -37,6 +37,7 @@ from chainspec.models.tensor_parallel import TPGroup
 COLLECTIVE_TIMEOUT_S = 60.0
 IDLE_TIMEOUT_S = 600.0
 CHUNK = 4096  # rows per message of the fingerprint stream
+SLAB = 16384  # bytes of a command broadcast: a verify step's inputs fit in one
 
 
 def free_port() -> int:
@@ -62,11 +63,13 @@ class GroupAddress:
 
 
 class Channel:
-    """Rank 0's commands to the other ranks: a pickled host object, broadcast as its
-    length and its bytes. Rank 0's sends time out after the step timeout (a hung peer
-    fails the step); the others' waits for the next command after the idle timeout, so
-    rank 0 keeps an idle group alive: a daemon thread sends a ping whenever nothing was
-    sent for a third of it (sends take a lock, so messages never interleave)."""
+    """Rank 0's commands to the other ranks: a message packed into bytes
+    (`engine/tp_packing.py`), broadcast in a fixed slab of `SLAB` bytes (its length,
+    then the bytes), so a step's message is one broadcast; a longer one sends the rest
+    in a second. Rank 0's sends time out after the step timeout (a hung peer fails the
+    step); the others' waits for the next command after the idle timeout, so rank 0
+    keeps an idle group alive: a daemon thread sends a ping whenever nothing was sent for
+    a third of it (sends take a lock, so messages never interleave)."""
 
     def __init__(self, tp: TPGroup, group, send_timeout_s: float,
                  idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
@@ -96,22 +99,32 @@ class Channel:
         self.group.broadcast([t], opts).wait()
 
     def send(self, msg: tuple) -> None:
-        data = torch.frombuffer(bytearray(pickle.dumps(msg)), dtype=torch.uint8)
+        t0 = time.perf_counter()
+        data = pack(msg)  # [n] uint8
+        slab = torch.zeros(SLAB, dtype=torch.uint8)
+        slab[:8].view(torch.int64)[0] = data.numel()
+        first = min(data.numel(), SLAB - 8)
+        slab[8:8 + first] = data[:first]
         with self._lock:
             if self._closed:
                 return
             self._closed = msg[0] == "stop"
             self._last_send = time.monotonic()
-            self._broadcast(torch.tensor([data.numel()], dtype=torch.int64),
-                            self.send_timeout)
-            self._broadcast(data, self.send_timeout)
+            self._broadcast(slab, self.send_timeout)
+            if data.numel() > first:
+                self._broadcast(data[first:].clone(), self.send_timeout)
+        self.tp.stats.broadcasts += 1
+        self.tp.stats.broadcast_seconds += time.perf_counter() - t0
 
     def recv(self) -> tuple:
-        size = torch.zeros(1, dtype=torch.int64)
-        self._broadcast(size, None)
-        data = torch.empty(int(size), dtype=torch.uint8)
-        self._broadcast(data, self.send_timeout)
-        return pickle.loads(data.numpy().tobytes())
+        slab = torch.empty(SLAB, dtype=torch.uint8)
+        self._broadcast(slab, None)
+        size = int(slab[:8].view(torch.int64))
+        if size <= SLAB - 8:
+            return unpack(slab[8:8 + size])
+        rest = torch.empty(size - (SLAB - 8), dtype=torch.uint8)
+        self._broadcast(rest, self.send_timeout)
+        return unpack(torch.cat([slab[8:], rest]))
 
 
 def join(address: GroupAddress, rank: int) -> tuple[TPGroup, Channel]:
@@ -128,10 +141,6 @@ def join(address: GroupAddress, rank: int) -> tuple[TPGroup, Channel]:
 def leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _host(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True)  # a copy: views of static buffers pickle whole
 
 
 def _batch_to(batch: AttnBatch, move: Callable[[torch.Tensor], torch.Tensor]) -> AttnBatch:
@@ -233,17 +242,17 @@ class TPLeader(nn.Module):
             if backend.cache is not self._cache:
                 self._cache = backend.cache
                 self.channel.send(("cache", cache_geometry(backend.cache)))
-            self.channel.send(("paged", _host(input_ids), _batch_to(backend.batch, _host),
+            self.channel.send(("paged", input_ids, backend.batch,
                                backend.scale))
         elif isinstance(backend, DenseCausal):
-            self.channel.send(("dense", _host(input_ids), _host(positions),
+            self.channel.send(("dense", input_ids, positions,
                                backend.batch_size, backend.seq_len, backend.scale))
         else:
             raise TypeError(f"no tensor-parallel mirror for {type(backend).__name__}")
         return self.shard(input_ids, positions, backend)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.channel.send(("logits", _host(hidden)))
+        self.channel.send(("logits", hidden))
         return self.shard.logits(hidden)
 
     def fingerprint(self) -> str:
@@ -288,12 +297,12 @@ class DraftLeader(nn.Module):
             self._cache = backend.cache
             self.channel.send(("cache", cache_geometry(backend.cache),
                                backend.cache.num_layers))
-        self.channel.send(("draft_step", step, _host(tokens), _host(prev), _host(positions),
-                           _batch_to(backend.batch, _host), backend.scale))
+        self.channel.send(("draft_step", step, tokens, prev, positions,
+                           backend.batch, backend.scale))
         return self.shard.step(step, tokens, prev, positions, backend)
 
     def logits(self, step: int, g: torch.Tensor) -> torch.Tensor:
-        self.channel.send(("draft_logits", step, _host(g)))
+        self.channel.send(("draft_logits", step, g))
         return self.shard.logits(step, g)
 
     def fingerprint(self) -> str:

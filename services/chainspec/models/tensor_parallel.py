@@ -16,7 +16,8 @@ loader reads only that slice (`models/tp_loader.py`). The rules, per block:
   expert as a dense MLP;
 - one all-reduce per block (after o_proj, after down_proj), biases added once after it;
 - embedding vocab-parallel (rows [v0, v1) per rank, one all-reduce), LM head
-  vocab-parallel with the logits all-gathered (every rank holds the full [T, vocab]).
+  vocab-parallel with the logits gathered on rank 0, which alone samples (the other
+  ranks' `logits` return their own vocab rows only).
 Norms, rotary tables and q/k norms are replicated. Layer kinds without a rule here are
 refused by name (`TPError`), never silently replicated.
 """
@@ -51,12 +52,14 @@ class CollectiveStats:
     """What the group's collectives cost (cumulative; benchmarks read and reset it)."""
 
     all_reduces: int = 0
-    all_gathers: int = 0
+    gathers: int = 0  # the LM head's, to rank 0
     seconds: float = 0.0
+    broadcasts: int = 0  # rank 0's step-input messages (engine/tp_group.Channel)
+    broadcast_seconds: float = 0.0  # packing and sending them
 
     def reset(self) -> None:
-        self.all_reduces = self.all_gathers = 0
-        self.seconds = 0.0
+        self.all_reduces = self.gathers = self.broadcasts = 0
+        self.seconds = self.broadcast_seconds = 0.0
 
 
 @dataclass
@@ -75,11 +78,12 @@ class TPGroup:
         self.stats.seconds += time.perf_counter() - t0
         return x
 
-    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's x, on rank 0 (None on the others)."""
         t0 = time.perf_counter()
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        self.stats.all_gathers += 1
+        parts = [torch.empty_like(x) for _ in range(self.world)] if self.rank == 0 else None
+        dist.gather(x.contiguous(), parts, dst=0, group=self.group)
+        self.stats.gathers += 1
         self.stats.seconds += time.perf_counter() - t0
         return parts
 
@@ -180,7 +184,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """Logits of vocab rows [start, stop) per rank, all-gathered: [T, vocab] everywhere."""
+    """Logits of vocab rows [start, stop) per rank, gathered: [T, vocab] on rank 0, which
+    alone samples; the other ranks get their own [T, ceil(vocab / N)] (zero-padded)."""
 
     def __init__(self, start: int, stop: int, vocab: int, dim: int, tp: TPGroup,
                  device: torch.device) -> None:
@@ -194,7 +199,8 @@ class VocabParallelHead(nn.Module):
         pad = self.per_rank - local.shape[-1]
         if pad:
             local = F.pad(local, (0, pad))
-        return torch.cat(self.tp.all_gather(local), dim=-1)[..., :self.vocab]
+        parts = self.tp.gather(local)
+        return local if parts is None else torch.cat(parts, dim=-1)[..., :self.vocab]
 
 
 def head_split(num_heads: int, num_kv_heads: int, tp: TPGroup) -> tuple[int, int, int, int]:
