@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from chainspec.engine.admission import OWN_PARTY, Admission, SchedulingPolicy, check_priority
+from chainspec.engine.grammar import Grammar, GrammarError, GrammarKind, GrammarSpec
 from chainspec.engine.logprobs import TokenLogprob
 from chainspec.engine.request import FinishReason, RequestOutput, RequestStats, StopConditions
 from chainspec.engine.sampling import (
@@ -57,9 +58,18 @@ class GenerateArgs:
 
 
 def parse_generate(req: pb.GenerateRequest, limits: GenerateLimits,
-                   encode: Callable[[str], list[int]] | None) -> GenerateArgs:
+                   encode: Callable[[str], list[int]] | None,
+                   compile_grammar: Callable[[GrammarSpec], Grammar] | None = None
+                   ) -> GenerateArgs:
+    """`compile_grammar`: for sampling.grammar (None: this server takes no grammars).
+    NOTE: compiling can take a while for a large vocabulary: run off the event loop."""
     prompt = _prompt(req, limits, encode)
     sampling = _sampling(req, limits.vocab_size)
+    if req.sampling.HasField("grammar"):
+        if req.stop.ignore_eos:
+            raise invalid("stop.ignore_eos: cannot be used with sampling.grammar (the "
+                          "grammar ends the output with an end-of-sequence token)")
+        sampling = replace(sampling, grammar=_grammar(req.sampling.grammar, compile_grammar))
     wanted = req.stop.max_tokens or limits.default_max_tokens
     if sampling.min_tokens > wanted:
         raise invalid(f"sampling.min_tokens: must be <= stop.max_tokens ({wanted}), got "
@@ -149,6 +159,27 @@ def _sampling(req: pb.GenerateRequest, vocab: int) -> SamplingParams:
                           repetition_penalty=repetition, logit_bias=_logit_bias(s, vocab),
                           min_p=s.min_p, min_tokens=s.min_tokens,
                           num_logprobs=s.logprobs if s.HasField("logprobs") else None)
+
+
+_GRAMMAR_KINDS = {pb.GRAMMAR_KIND_JSON_SCHEMA: GrammarKind.JSON_SCHEMA,
+                  pb.GRAMMAR_KIND_JSON_OBJECT: GrammarKind.JSON_OBJECT,
+                  pb.GRAMMAR_KIND_REGEX: GrammarKind.REGEX,
+                  pb.GRAMMAR_KIND_CHOICE: GrammarKind.CHOICE,
+                  pb.GRAMMAR_KIND_EBNF: GrammarKind.EBNF}
+
+
+def _grammar(g: pb.Grammar, compile_grammar: Callable[[GrammarSpec], Grammar] | None
+             ) -> Grammar:
+    if compile_grammar is None:
+        raise invalid("sampling.grammar: this server has no tokenizer to compile grammars "
+                      "with")
+    kind = _GRAMMAR_KINDS.get(g.kind)
+    if kind is None:
+        raise invalid(f"sampling.grammar.kind: must be set to a known kind, got {g.kind}")
+    try:
+        return compile_grammar(GrammarSpec(kind, g.text, tuple(g.choices)))
+    except GrammarError as e:
+        raise invalid(f"sampling.grammar: {e}") from None
 
 
 def _logit_bias(s: pb.SamplingParams, vocab: int) -> dict[int, float]:

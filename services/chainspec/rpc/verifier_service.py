@@ -32,6 +32,7 @@ from chainspec.engine.async_engine import AsyncVerifier, EngineStopped, QueueFul
 from chainspec.engine.detokenizer import IncrementalDetokenizer
 from chainspec.engine.factory import build_verifier_engine, load_draft, load_target_model
 from chainspec.engine.fingerprint import model_fingerprint
+from chainspec.engine.grammar import Grammar, GrammarCompiler, GrammarSpec
 from chainspec.engine.local import LocalDrafts, local_drafter
 from chainspec.engine.options import DrafterMode, LocalOptions
 from chainspec.engine.request import FinishReason, RequestOutput, StopConditions
@@ -91,6 +92,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.model_name, self.fingerprint, self.drafters = model_name, fingerprint, drafters
         self._encode = tokenizer.encode if tokenizer is not None else None
         self._parser = ThreadPoolExecutor(PARSE_THREADS, thread_name_prefix="verifier-parse")
+        self._grammars: GrammarCompiler | None = None  # built by the first grammar request
         self._owners: dict[str, _Owner] = {}  # request id -> who may abort it
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -119,10 +121,20 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 del self._owners[rid]
 
     async def _parse(self, request: pb.GenerateRequest) -> GenerateArgs:
-        if request.ByteSize() <= INLINE_PARSE_BYTES:
-            return parse_generate(request, self.limits, self._encode)
+        compile_grammar = self._compile_grammar if self.tokenizer is not None else None
+        if request.ByteSize() <= INLINE_PARSE_BYTES and \
+                not request.sampling.HasField("grammar"):  # NOTE: compiling takes a while
+            return parse_generate(request, self.limits, self._encode, compile_grammar)
         return await asyncio.get_running_loop().run_in_executor(
-            self._parser, parse_generate, request, self.limits, self._encode)
+            self._parser, parse_generate, request, self.limits, self._encode, compile_grammar)
+
+    def _compile_grammar(self, spec: GrammarSpec) -> Grammar:
+        """On a parse thread; the first call builds the compiler (and imports xgrammar).
+        Its stop tokens are the engine's EOS ids (serve_verifier's)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler.for_tokenizer(
+                self.tokenizer, self.limits.vocab_size, self.tokenizer.eos_token_ids)
+        return self._grammars.compile(spec)
 
     async def _run(self, rid: str, args: GenerateArgs, context: grpc.aio.ServicerContext
                    ) -> AsyncIterator[pb.GenerateResponse]:
