@@ -22,6 +22,7 @@ from chainspec.gateway.client import (
 )
 from chainspec.gateway.config import GatewayConfig
 from chainspec.gateway.errors import APIError, invalid, overloaded, unavailable
+from chainspec.gateway.failover import Failover
 from chainspec.gateway.fanout import choice_specs, open_all
 from chainspec.gateway.metrics import GatewayMetrics
 from chainspec.gateway.responses import Envelope, Format
@@ -43,6 +44,7 @@ class Gateway:
         self.config, self.pool, self.chat, self.members = config, pool, chat, members
         self.metrics = GatewayMetrics(config.model_name)
         self.metrics.routing.pool = pool
+        self.failover = Failover(on_resume=self.metrics.stream_resumes.inc)  # mid-stream
         self.in_flight = 0
         self.started = int(time.time())
         self.token_bytes = token_bytes_of(chat.tokenizer, chat.token_text)
@@ -147,7 +149,8 @@ class Gateway:
         if spec.max_tokens == 0:  # echo alone (schemas allow 0 only then): no verifier
             return await prompt_only(spec, self.chat.tokenizer, self.max_model_len())
         return await open_generation(self.pool, spec, fmt.prompt_field,
-                                     self.config.request_timeout_s, self.config.retry_after_s)
+                                     self.config.request_timeout_s, self.config.retry_after_s,
+                                     self.failover)
 
     def max_model_len(self) -> int | None:
         return max((i.max_model_len for i in self.pool.model_infos()), default=None) or None

@@ -7,17 +7,28 @@ them has sent the first message, so everything that can go wrong before the firs
 to the next one; when none is left the answer is 429 resp. 503. (gRPC's own message-size
 limit is also RESOURCE_EXHAUSTED; that one is 413 at once.) `close()` cancels the
 gRPC call, which aborts the request in the verifier and releases it in the drafters.
+A stream whose verifier fails after its first message resumes on another verifier
+(gateway/failover.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
 from chainspec.gateway.errors import APIError, from_grpc, invalid, unavailable, unsupported
+from chainspec.gateway.failover import (
+    DEFAULT_FAILOVER,
+    Avoid,
+    Continuation,
+    Failover,
+    Progress,
+)
 from chainspec.gateway.routing import VerifierHandle, VerifierPool
 from chainspec.models.tokenizer import Tokenizer
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
@@ -67,7 +78,7 @@ class GenerationSpec:
     priority: int = 0  # admission priority (vLLM's; the verifier's policy decides)
     parent_request_id: str = ""  # the client request this is one choice of (fanout)
     num_speculative_tokens: int | None = None  # cap on drafts per round (None: K; 0: off)
-
+    continuation: Continuation | None = None  # a resumed request's output so far
 
     def message(self) -> pb.GenerateRequest:
         # NOTE: every value is already in its wire range (schemas: uint32 counts, uint64
@@ -91,16 +102,46 @@ class GenerationSpec:
         req.priority, req.parent_request_id = self.priority, self.parent_request_id
         if self.num_speculative_tokens is not None:
             req.num_speculative_tokens = self.num_speculative_tokens
+        if self.continuation is not None:
+            self.continuation.fill(req.continuation)
         return req
+
+    def resumed(self, attempt: int, progress: Progress) -> GenerationSpec:
+        """This request as a continuation after `progress` (its own verifier request id:
+        the failed verifier may still hold the old one)."""
+        return dataclasses.replace(self, request_id=f"{self.request_id}-r{attempt}",
+                                   continuation=progress.continuation())
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """How a request's Generate calls are made and resumed."""
+
+    prompt_field: str  # the HTTP name of the prompt, for error messages
+    timeout_s: float  # the whole request's deadline at the verifiers, resumes included
+    retry_after_s: int
+    failover: Failover = DEFAULT_FAILOVER
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A Generate call and its first message."""
+
+    handle: VerifierHandle
+    call: object
+    first: pb.GenerateResponse
 
 
 class GenerationStream:
-    """A Generate call that has produced its first message."""
+    """A Generate call that has produced its first message; when its verifier fails
+    mid-stream it resumes on another one, as one stream to its reader."""
 
-    def __init__(self, pool: VerifierPool, handle: VerifierHandle, call,
-                 first: pb.GenerateResponse, prompt_field: str, retry_after_s: int) -> None:
-        self.pool, self.handle, self.call, self.first = pool, handle, call, first
-        self.prompt_field, self.retry_after_s = prompt_field, retry_after_s
+    def __init__(self, pool: VerifierPool, spec: GenerationSpec, opened: Opened,
+                 opts: CallOptions) -> None:
+        self.pool, self.spec, self.opts = pool, spec, opts
+        self.handle, self.call, self.first = opened.handle, opened.call, opened.first
+        self.deadline = time.monotonic() + opts.timeout_s
+        self.progress, self.avoid, self.resumes = Progress(), Avoid(), 0
         self._closed = False
 
     @property
@@ -108,16 +149,55 @@ class GenerationStream:
         return self.handle.endpoint
 
     async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
-        """Every message, the first included; a failed call raises APIError."""
-        yield self.first
-        try:
-            while True:
-                msg = await self.call.read()
-                if msg is grpc.aio.EOF:
-                    return
-                yield msg
-        except grpc.aio.AioRpcError as e:
-            raise from_grpc(e, self.prompt_field, self.retry_after_s) from None
+        """Every message, the first included; a failed call that cannot resume raises
+        APIError."""
+        while True:
+            try:
+                async for msg in self._read():
+                    self.progress.add(msg)
+                    yield msg
+                return
+            except grpc.aio.AioRpcError as e:
+                error = from_grpc(e, self.opts.prompt_field, self.opts.retry_after_s)
+                if not self.opts.failover.allows(e, self.resumes):
+                    raise error from None
+                await self._resume(e)
+
+    async def _read(self) -> AsyncIterator[pb.GenerateResponse]:
+        first, self.first = self.first, None
+        if first is not None:
+            yield first
+        while True:
+            msg = await self.call.read()
+            if msg is grpc.aio.EOF:
+                return
+            yield msg
+
+    async def _resume(self, cause: grpc.aio.AioRpcError) -> None:
+        """Continue on another verifier, or raise the error naming `cause`."""
+        self.avoid.add(self.handle.endpoint, self.handle.epoch)
+        self.close()
+        self.resumes += 1
+        request = self.spec.resumed(self.resumes, self.progress).message()
+        failover = self.opts.failover
+        give_up = time.monotonic() + failover.wait_s
+        while True:
+            handles = [h for h in self.pool.candidates()
+                       if self.avoid.allows(h.endpoint, h.epoch)]
+            left = self.deadline - time.monotonic()
+            opened = await open_on(self.pool, handles, request, self.opts, left) \
+                if left > 0 and handles else None
+            if isinstance(opened, Opened):
+                self.handle, self.call, self.first = opened.handle, opened.call, opened.first
+                self._closed = False
+                failover.on_resume()
+                return
+            if time.monotonic() >= min(give_up, self.deadline):
+                raise unavailable(f"the verifier failed mid-stream ({cause.code().name}: "
+                                  f"{cause.details()}) and no other verifier could resume "
+                                  f"the request within {failover.wait_s:g} s",
+                                  self.opts.retry_after_s) from None
+            await asyncio.sleep(failover.poll_s)
 
     def close(self) -> None:
         """Cancel the call if it is still running (idempotent, never blocks)."""
@@ -158,17 +238,29 @@ async def prompt_only(spec: GenerationSpec, tokenizer: Tokenizer | None,
 
 
 async def open_generation(pool: VerifierPool, spec: GenerationSpec, prompt_field: str,
-                          timeout_s: float, retry_after_s: int) -> GenerationStream:
-    request = spec.message()
+                          timeout_s: float, retry_after_s: int,
+                          failover: Failover = DEFAULT_FAILOVER) -> GenerationStream:
+    opts = CallOptions(prompt_field, timeout_s, retry_after_s, failover)
+    opened = await open_on(pool, pool.candidates(), spec.message(), opts, timeout_s)
+    if isinstance(opened, Opened):
+        return GenerationStream(pool, spec, opened, opts)
+    raise opened or unavailable("no verifier is serving yet; retry shortly", retry_after_s)
+
+
+async def open_on(pool: VerifierPool, handles: Sequence[VerifierHandle],
+                  request: pb.GenerateRequest, opts: CallOptions, timeout_s: float
+                  ) -> Opened | APIError | None:
+    """The first of `handles` to take `request`, else the error to answer (None: no
+    handle); a refusal no other verifier can cure raises it."""
     last: APIError | None = None
-    for handle in pool.candidates():
+    for handle in handles:
         pool.acquire(handle)
         call = handle.stub.Generate(request, timeout=timeout_s)
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as e:
             pool.release(handle)
-            error = from_grpc(e, prompt_field, retry_after_s)
+            error = from_grpc(e, opts.prompt_field, opts.retry_after_s)
             if error.status not in RETRY_STATUSES:  # NOTE: not every RESOURCE_EXHAUSTED
                 raise error from None  # is a full server (413: over gRPC's message limit)
             if e.code() is grpc.StatusCode.UNAVAILABLE:
@@ -182,5 +274,5 @@ async def open_generation(pool: VerifierPool, spec: GenerationSpec, prompt_field
         if first is grpc.aio.EOF:  # a verifier always ends with `finished`; treat as gone
             pool.release(handle)
             continue
-        return GenerationStream(pool, handle, call, first, prompt_field, retry_after_s)
-    raise last or unavailable("no verifier is serving yet; retry shortly", retry_after_s)
+        return Opened(handle, call, first)
+    return last

@@ -30,6 +30,9 @@ class GatewayMetrics(ServiceMetrics):
         self.duration = Histogram("chainspec_gateway_request_duration_seconds", "Request "
                                   "received to the last byte of the answer (a stream: its "
                                   "end)", ["route"], buckets=E2E_LATENCY_S, registry=r)
+        self.stream_resumes = Counter("chainspec_gateway_stream_resumes", "Generate "
+                                      "streams resumed on another verifier after theirs "
+                                      "failed mid-stream (one per resume)", registry=r)
         self.routing = RoutingCollector()
         r.register(self.routing)
 

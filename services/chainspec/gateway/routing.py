@@ -39,6 +39,7 @@ class VerifierHandle:
         self.info: pb.VerifierInfo | None = None
         self.in_flight = 0
         self.retired = False  # left the membership; closed once idle
+        self.epoch = 0  # times it was seen turning SERVING (failover: a new chance)
 
     @property
     def load(self) -> int:
@@ -50,9 +51,11 @@ class VerifierHandle:
             health = await self.health.Check(
                 health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE), timeout=timeout_s)
             self.info = await self.stub.Info(pb.VerifierInfoRequest(), timeout=timeout_s)
-            self.serving = health.status == SERVING
+            serving = health.status == SERVING
         except grpc.aio.AioRpcError:
-            self.serving = False
+            serving = False
+        self.epoch += serving and not self.serving
+        self.serving = serving
 
     async def close(self) -> None:
         await self.channel.close()
