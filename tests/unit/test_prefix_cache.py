@@ -237,3 +237,50 @@ def test_cached_tokens_reach_the_request_stats(pair):
             for out in eng.step():
                 final = out.stats or final
         assert final.cached_tokens == (0 if rid == "a" else 28)
+
+
+def test_hits_reach_both_engines_metrics_and_the_usage_body(pair):
+    from chainspec.gateway.responses import usage
+    from chainspec.metrics.drafter import DrafterMetrics
+    from chainspec.metrics.verifier import VerifierMetrics
+    from chainspec.rpc.generate_codec import stats_message
+    target, draft = pair
+    eng = engine(target, draft, kv=_kv(200, True), drafter_kv=_kv(200, True))
+    vm, dm = VerifierMetrics("tiny", 3), DrafterMetrics("tiny", 3)
+    vm.attach(eng, None)
+    eng.drafter.engine.observer = dm
+    prefix = list(range(1, 41))
+    _run_one(eng, "a", prefix + [50])
+    eng.add_request("b", prefix + [51, 52], SamplingParams(), StopConditions(max_tokens=3))
+    final = None
+    while eng.has_work:
+        final = next((o.stats for o in eng.step() if o.stats), final)
+
+    def value(metrics, name):
+        return metrics.registry.get_sample_value(name, {"model_name": "tiny"})
+    assert value(vm, "chainspec_prefix_cache_queries_total") == 41 + 42
+    assert value(vm, "chainspec_prefix_cache_hits_total") == 36 == final.cached_tokens
+    assert value(dm, "chainspec_drafter_prefix_cache_queries_total") == 36
+    assert value(dm, "chainspec_drafter_prefix_cache_hits_total") == 36
+    body = usage(stats_message(final, 42, 3))
+    assert body["prompt_tokens_details"] == {"cached_tokens": 36}
+
+
+def test_cache_keys_cross_the_wire_and_bad_ones_fail_their_sequence():
+    import torch
+
+    from chainspec.engine.draft_types import SeqUpdate, UpdateBatch
+    from chainspec.rpc import draft_codec as dc
+    limits = dc.DraftLimits(hidden_size=8, vocab_size=100, num_draft_tokens=3, max_rows=16)
+    keys = ((16, bytes(range(16))), (32, bytes(range(1, 17))))
+    upd = SeqUpdate(1, 32, (5, 6), torch.randn(2, 8), cache_keys=keys)
+    msg = dc.encode_draft_request(UpdateBatch(1, (upd,)))
+    batch, failures = dc.decode_draft_request(type(msg).FromString(msg.SerializeToString()),
+                                              limits)
+    assert failures == () and batch.updates[0].cache_keys == keys
+    msg.updates[0].cache_keys[1] = b"short"
+    batch, (failure,) = dc.decode_draft_request(msg, limits)
+    assert batch.updates == () and "16 bytes" in failure.message
+    msg.updates[0].cache_key_ends.append(48)
+    _, (failure,) = dc.decode_draft_request(msg, limits)
+    assert "3 cache_key_ends but 2 cache_keys" in failure.message

@@ -83,6 +83,7 @@ class DrafterEngine:
         self.seqs: dict[int, _SeqState] = {}
         self._ahead: list[AheadSource] = []  # asked for by the last update, not yet run
         self.ahead_rounds = 0
+        self._observed_prefix = (0, 0)  # prefix-cache counters the observer has seen
         graph_batch = min(c.max_graph_batch, c.max_seqs)
         buffers = StaticDraftBuffers(graph_batch, c.num_steps, self.hidden_size, c.max_len,
                                      c.kv.block_size, self.device, self.dtype)
@@ -180,10 +181,13 @@ class DrafterEngine:
                  outcomes: list[SeqOutcome]) -> None:
         refused = sum(isinstance(o, SeqFailure) and o.code == ErrorCode.FAILED_PRECONDITION
                       for o in outcomes)
+        cache = self.allocator.cache
+        queried, hit = (cache.queries, cache.hits) if cache is not None else (0, 0)
         self.observer.update_done(DraftRoundRecord(
             time.perf_counter() - started, [w.num_rows for w in windows],
             bool(windows) and eager_reason is None, eager_reason, self._clock.durations(),
-            refused))
+            refused, queried - self._observed_prefix[0], hit - self._observed_prefix[1]))
+        self._observed_prefix = (queried, hit)
         self._observe_occupancy()
 
     def _observe_occupancy(self) -> None:

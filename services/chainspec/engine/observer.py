@@ -55,6 +55,8 @@ class DraftRoundRecord:
     eager_reason: str | None  # why not: "no_graph", "batch_too_large", "window_too_large"
     step_s: Sequence[float]  # per chained step 1..K; empty when not measured (graph replay)
     out_of_sync: int  # updates refused FAILED_PRECONDITION (the verifier resyncs them)
+    prefix_queried: int = 0  # prefix positions new sequences asked to read from the cache
+    prefix_hit: int = 0  # of them, read from it (their MTP KV not recomputed)
 
 
 class DrafterObserver(Protocol):

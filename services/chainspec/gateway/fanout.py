@@ -81,6 +81,7 @@ def merge_stats(stats: Sequence[pb.RequestStats]) -> pb.RequestStats:
         out.accepted_tokens += s.accepted_tokens
         out.fallback_rounds += s.fallback_rounds
         out.resyncs += s.resyncs
+        out.cached_tokens = max(out.cached_tokens, s.cached_tokens)  # one prompt
         per_position += [0] * (len(s.accepted_per_position) - len(per_position))
         for k, count in enumerate(s.accepted_per_position):
             per_position[k] += count

@@ -39,6 +39,8 @@ def usage(stats: pb.RequestStats) -> dict[str, Any]:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        # vLLM's and OpenAI's: prompt tokens read from the prefix cache
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
         "speculative": {
             "rounds": stats.rounds,
             "draft_tokens": stats.draft_tokens,

@@ -38,6 +38,12 @@ class DrafterMetrics(GrpcServiceMetrics):
         self.out_of_sync = rec.counter("chainspec_drafter_out_of_sync", "Updates refused "
                                        "FAILED_PRECONDITION (unknown sequence or wrong "
                                        "start)").child()
+        self.prefix_queries = rec.counter(
+            "chainspec_drafter_prefix_cache_queries", "Prefix positions of new sequences "
+            "the verifier read from its prefix cache, looked up in the drafter's").child()
+        self.prefix_hits = rec.counter(
+            "chainspec_drafter_prefix_cache_hits", "Of those, positions whose MTP KV the "
+            "drafter read from its cache (a miss is resynced)").child()
         self.sequences = rec.gauge("chainspec_drafter_sequences", "Sequences held").child()
         self.kv_usage = rec.gauge("chainspec_drafter_kv_cache_usage_perc",
                                   "Drafter KV cache blocks in use / blocks (a fraction)").child()
@@ -47,6 +53,8 @@ class DrafterMetrics(GrpcServiceMetrics):
     def update_done(self, update: DraftRoundRecord) -> None:
         with self.recorder.lock:
             self.out_of_sync.value += update.out_of_sync
+            self.prefix_queries.value += update.prefix_queried
+            self.prefix_hits.value += update.prefix_hit
             if not update.window_rows:
                 return  # every update failed: no round ran
             self.round_s.observe(update.round_s)

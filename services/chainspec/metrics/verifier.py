@@ -269,6 +269,12 @@ class DraftStatsCollector(Collector):
         yield counter("chainspec_num_preemptions", "Running requests that gave their KV "
                       "blocks back to be recomputed later (the pool ran out)",
                       getattr(self.engine, "preemptions", 0))
+        cache = getattr(getattr(self.engine, "allocator", None), "cache", None)
+        yield counter("chainspec_prefix_cache_queries", "Prompt tokens looked up in the "
+                      "prefix cache (vLLM's prefix_cache_queries)", getattr(cache, "queries", 0))
+        yield counter("chainspec_prefix_cache_hits", "Prompt tokens found in the prefix "
+                      "cache, not prefilled (vLLM's prefix_cache_hits)",
+                      getattr(cache, "hits", 0))
         yield counter("chainspec_draft_reassignments", "Sequences given to another drafter "
                       "after losing theirs", getattr(stats, "reassignments", 0))
         yield counter("chainspec_draft_late_batches", "Draft answers that came after their "

@@ -89,6 +89,9 @@ def _fill_update(out: pb.SequenceUpdate, u: SeqUpdate) -> None:
     if u.want_drafts and u.look_ahead:
         out.look_ahead = True
         out.verifying.extend(u.verifying)
+    for end, key in u.cache_keys:
+        out.cache_key_ends.append(end)
+        out.cache_keys.append(key)
 
 
 def encode_update(u: SeqUpdate, hidden_dtype: WireDType | str = WireDType.F32) -> pb.SequenceUpdate:
@@ -154,7 +157,20 @@ def _check_update(msg: pb.SequenceUpdate, limits: DraftLimits, name: str
     sampling = GREEDY
     if msg.want_drafts and msg.HasField("sampling"):
         sampling = decode_sampling(msg.sampling, limits, f"{name}.sampling")
-    return tuple(tokens), wire, data, sampling, _look_ahead(msg, limits, name)
+    return tuple(tokens), wire, data, sampling, {**_look_ahead(msg, limits, name),
+                                                 **_cache_keys(msg, name)}
+
+
+def _cache_keys(msg: pb.SequenceUpdate, name: str) -> dict:
+    """SeqUpdate's prefix-cache keys of `msg` (keyword arguments)."""
+    if not msg.cache_keys and not msg.cache_key_ends:
+        return {}
+    if len(msg.cache_keys) != len(msg.cache_key_ends):
+        raise invalid(f"{name}: {len(msg.cache_key_ends)} cache_key_ends but "
+                      f"{len(msg.cache_keys)} cache_keys; they must match")
+    if any(len(k) != 16 for k in msg.cache_keys):
+        raise invalid(f"{name}.cache_keys: each key is 16 bytes")
+    return {"cache_keys": tuple(zip(msg.cache_key_ends, msg.cache_keys, strict=True))}
 
 
 def _look_ahead(msg: pb.SequenceUpdate, limits: DraftLimits, name: str) -> dict:

@@ -246,4 +246,5 @@ def stats_message(stats: RequestStats | None, prompt_tokens: int,
         msg.accepted_tokens = stats.accepted_tokens
         msg.accepted_per_position.extend(stats.accepted_per_pos)
         msg.fallback_rounds = stats.fallback_rounds
+        msg.cached_tokens = stats.cached_tokens
     return msg

@@ -32,7 +32,7 @@ class DraftSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("seq_id", "start", "tokens", "hidden", "want_drafts", "sampling", "look_ahead", "verifying")
+    __slots__ = ("seq_id", "start", "tokens", "hidden", "want_drafts", "sampling", "look_ahead", "verifying", "cache_key_ends", "cache_keys")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class SequenceUpdate(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOOK_AHEAD_FIELD_NUMBER: _ClassVar[int]
     VERIFYING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_KEY_ENDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_KEYS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -49,7 +51,9 @@ class SequenceUpdate(_message.Message):
     sampling: DraftSampling
     look_ahead: bool
     verifying: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_drafts: _Optional[bool] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., look_ahead: _Optional[bool] = ..., verifying: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_key_ends: _containers.RepeatedScalarFieldContainer[int]
+    cache_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_drafts: _Optional[bool] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., look_ahead: _Optional[bool] = ..., verifying: _Optional[_Iterable[int]] = ..., cache_key_ends: _Optional[_Iterable[int]] = ..., cache_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("batch_id", "updates", "releases")

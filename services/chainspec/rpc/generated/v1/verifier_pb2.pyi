@@ -161,7 +161,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "rounds", "draft_tokens", "accepted_tokens", "accepted_per_position", "fallback_rounds", "resyncs")
+    __slots__ = ("prompt_tokens", "completion_tokens", "rounds", "draft_tokens", "accepted_tokens", "accepted_per_position", "fallback_rounds", "resyncs", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class RequestStats(_message.Message):
     ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     rounds: int
@@ -178,7 +179,8 @@ class RequestStats(_message.Message):
     accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
     fallback_rounds: int
     resyncs: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., fallback_rounds: _Optional[int] = ..., resyncs: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., fallback_rounds: _Optional[int] = ..., resyncs: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateFinished(_message.Message):
     __slots__ = ("reason", "message", "stats")
