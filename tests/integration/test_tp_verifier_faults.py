@@ -5,8 +5,8 @@ under 16 streams: no stream hangs -- each completes equal to plain decoding or e
 UNAVAILABLE within the collective timeout (this stack's only verifier is gone) -- the
 member turns dead, the group restarts as a unit (both ranks new processes) and serves
 16 streams equal to plain again. Through the gateway with two TP=2 verifiers, the
-streams on the killed one end with an error naming the cause, the rest and every
-request sent after the kill complete on the other verifier equal to plain."""
+streams on the killed one resume mid-stream on the other (gateway/failover.py): every
+stream and every request sent after the kill completes equal to plain."""
 
 from __future__ import annotations
 
@@ -119,9 +119,10 @@ def test_a_killed_rank_fails_fast_and_the_group_restarts_as_a_unit(up, model_dir
 def test_through_the_gateway_requests_fail_over_to_the_other_tp_verifier(ray_cluster, model_dir,
                                                                         tmp_path) -> None:
     """`chainspec serve` with two TP=2 verifiers: SIGKILL rank 1 of one under 16 streams.
-    Streams on it end with a clear 503 (none hangs), the others complete equal to plain;
-    16 requests sent right after the kill all complete on the other verifier, and the
-    killed group comes back with new ranks."""
+    The streams on it resume on the other verifier: all 16 complete (none ends with an
+    error, none hangs) equal to plain, and the gateway counts the resumes; 16 requests
+    sent right after the kill all complete on the other verifier, and the killed group
+    comes back with new ranks."""
     import openai
 
     from chainspec.models.tokenizer import Tokenizer
@@ -173,6 +174,7 @@ def test_through_the_gateway_requests_fail_over_to_the_other_tp_verifier(ray_clu
         for t in threads:
             t.join(60)
         assert not any(t.is_alive() for t in threads), "a stream hangs"
+        resumes = _metric(served.url, "chainspec_gateway_stream_resumes_total")
         back = wait_for(lambda: next((m for m in stack.status(namespace=ns)
                                       if m["member_id"] == "verifier-0"
                                       and m["state"] == "ready" and m["pid"] != victim["pid"]
@@ -183,17 +185,19 @@ def test_through_the_gateway_requests_fail_over_to_the_other_tp_verifier(ray_clu
         served.proc.wait(90)
         if "stack stopped" not in served.output():
             helpers.cli(ns, "down")
-    failed = [i for i, (got, _) in enumerate(results) if isinstance(got, openai.APIError)]
-    for i in failed:  # a clear error: the verifier went away (503), within the bound
-        got, took = results[i]
-        print(f"stream {i}: {type(got).__name__}: {got.message[:90]}")
-        # a 503 before the first event, else the stream's error event naming the cause
-        assert got.status_code == 503 if isinstance(got, openai.APIStatusError) else \
-            "verifier" in got.message, (i, got)
-        assert took < COLLECTIVE_TIMEOUT_S + 15, (i, took)
-    assert [results[i][0] for i in range(STREAMS) if i not in failed] == \
-        [plain[i] for i in range(STREAMS) if i not in failed]
+    failed = {i: got for i, (got, _) in enumerate(results) if isinstance(got, Exception)}
+    assert not failed, failed  # the streams on the killed verifier resumed
+    assert [got for got, _ in results] == plain
+    assert resumes > 0  # the kill landed while streams were running on verifier-0
     assert after == plain  # every request sent after the kill completed on verifier-1
     assert {r["pid"] for r in back["ranks"]}.isdisjoint(r["pid"] for r in victim["ranks"])
-    print(f"{len(failed)}/{STREAMS} streams on the killed verifier ended with an error; "
-          f"{STREAMS} requests after the kill completed on the other verifier")
+    print(f"{resumes:g}/{STREAMS} streams resumed on the other verifier, all equal to "
+          f"plain; {STREAMS} requests after the kill completed on the other verifier")
+
+
+def _metric(url: str, name: str) -> float:
+    import httpx
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} is not exported")

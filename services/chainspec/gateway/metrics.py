@@ -1,8 +1,15 @@
 """The gateway's own Prometheus registry: answers by route and code, requests in flight,
 time to the first token and request duration per generation route, and the verifiers
-and drafters it can route to (read from its pool at scrape time)."""
+and drafters it can route to (read from its pool at scrape time). Also the stack's
+verifier metrics under vLLM's `vllm:` names (`metrics/stack_view.py`), scraped from the
+verifiers' endpoints when the gateway's /metrics is read (`StackCollector.refresh`)."""
 
 from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -10,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from chainspec.metrics.buckets import E2E_LATENCY_S, REQUEST_LATENCY_S
 from chainspec.metrics.service import ServiceMetrics
+from chainspec.metrics.stack_view import StackView
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 ROUTES = (*GENERATION_ROUTES, "/v1/models")
@@ -35,6 +43,8 @@ class GatewayMetrics(ServiceMetrics):
                                       "failed mid-stream (one per resume)", registry=r)
         self.routing = RoutingCollector()
         r.register(self.routing)
+        self.stack = StackCollector(model)
+        r.register(self.stack)
 
     def observe(self, path: str, status: int) -> None:
         if path in ROUTES:  # bounded labels only
@@ -65,3 +75,32 @@ class RoutingCollector(Collector):
                                      "verifier is connected to")
         drafters.add_metric([], max((v.drafters for v in views), default=0))
         return [verifiers, drafters]
+
+
+class StackCollector(Collector):
+    """The verifiers' metrics under vLLM's names, summed (`StackView`), as of the last
+    `refresh`; `model_name` the gateway's served name ("" = the verifiers')."""
+
+    def __init__(self, model_name: str = "", timeout_s: float = 2.0) -> None:
+        self.view, self.model_name, self.timeout_s = StackView(), model_name, timeout_s
+
+    async def refresh(self, members: Iterable[dict[str, Any]]) -> None:
+        """Scrape every live verifier member with a metrics endpoint, concurrently (one
+        that does not answer in `timeout_s` keeps its last values)."""
+        urls = {m["member_id"]: m["metrics_url"] for m in members
+                if m.get("role") == "verifier" and m.get("metrics_url")
+                and m.get("state") != "dead"}
+        texts = await asyncio.gather(*(asyncio.to_thread(_scrape, url, self.timeout_s)
+                                       for url in urls.values()))
+        self.view.update(dict(zip(urls, texts, strict=True)))
+
+    def collect(self):
+        return self.view.families(self.model_name)
+
+
+def _scrape(url: str, timeout_s: float) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.read().decode()
+    except (OSError, ValueError):
+        return None

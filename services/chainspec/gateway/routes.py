@@ -115,5 +115,7 @@ async def metrics_targets(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    content, media_type = request.app.state.gateway.metrics.exposition()
+    gateway = request.app.state.gateway
+    await gateway.metrics.stack.refresh(gateway.members())  # the verifiers' vllm: sums
+    content, media_type = gateway.metrics.exposition()
     return Response(content, media_type=media_type)
