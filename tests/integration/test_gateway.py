@@ -25,7 +25,7 @@ from chainspec.engine.local import LocalOptions, build_verifier, load_models
 from chainspec.engine.request import StopConditions
 from chainspec.engine.runner import run_to_completion
 from chainspec.engine.sampling import SamplingParams
-from chainspec.gateway.chat_template import Turn, default_render
+from chainspec.gateway.chat_template import ChatTemplate
 from chainspec.gateway.config import GatewayConfig
 from chainspec.gateway.membership import StaticVerifiers
 from chainspec.gateway.server import GatewayServer
@@ -37,6 +37,7 @@ from chainspec.rpc.server import ServerOptions
 from chainspec.rpc.verifier_service import VerifierOptions, serve_verifier
 from tests.integration.grpc_helpers import free_port, wait_until
 from tests.integration.helpers import plain_outputs, prompt_ids, verifier_stub
+from tests.integration.tiny_checkpoint import CHAT_TEMPLATE, chat_prompt
 
 pytestmark = pytest.mark.timeout(300)
 K, MAX_LEN, TOKENS, LONG = 3, 512, 24, 480
@@ -55,7 +56,8 @@ class Stack:
 
 def start_gateway(loop, endpoints, **config) -> GatewayServer:
     config = GatewayConfig(port=0, refresh_interval_s=0.2, **config)
-    return loop.run(GatewayServer.start(config, StaticVerifiers(endpoints)))
+    return loop.run(GatewayServer.start(config, StaticVerifiers(endpoints),
+                                        ChatTemplate(CHAT_TEMPLATE)))  # the tiny model's
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +177,7 @@ def test_streaming_equals_whole(client, model_dir, plain) -> None:
 def test_chat_streamed_and_not(client, model_dir, tok) -> None:
     messages = [{"role": "system", "content": "You write code."},
                 {"role": "user", "content": "def fibonacci(n):"}]
-    prompt = tok.encode(default_render([Turn(m["role"], m["content"]) for m in messages]))
+    prompt = tok.encode(chat_prompt([(m["role"], m["content"]) for m in messages]))
     want = tok.decode(plain_outputs(model_dir, [prompt], TOKENS)[0])
     kw = {"model": openai.NOT_GIVEN, "messages": messages, "max_tokens": TOKENS,
           "temperature": 0, "extra_body": {"ignore_eos": True}}

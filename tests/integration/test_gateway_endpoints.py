@@ -12,7 +12,7 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion
 
-from chainspec.gateway.chat_template import ChatTemplate, Turn, default_render
+from chainspec.gateway.chat_template import ChatTemplate
 from chainspec.gateway.config import GatewayConfig
 from chainspec.gateway.membership import StaticVerifiers
 from chainspec.gateway.server import GatewayServer
@@ -20,6 +20,7 @@ from chainspec.gateway.token_bytes import TokenBytes
 from chainspec.models.tokenizer import Tokenizer
 from chainspec.version import chainspec_version
 from tests.integration.test_gateway import AUTH, KEY, MAX_LEN, K, error, stack  # noqa: F401
+from tests.integration.tiny_checkpoint import chat_prompt
 
 pytestmark = pytest.mark.timeout(300)
 CONTEXT = MAX_LEN - 1 - K  # what the verifier reports as max_model_len
@@ -90,7 +91,7 @@ def test_tokenize_a_prompt_and_detokenize(url, tok) -> None:
 def test_tokenize_a_chat_counts_what_chat_completions_bills(url, client, tok) -> None:
     r = post(url, "/tokenize", {"messages": MESSAGES})
     assert r.status_code == 200, r.text
-    rendered = default_render([Turn("user", PROMPT)])
+    rendered = chat_prompt([("user", PROMPT)])
     assert r.json()["tokens"] == tok.encode(rendered, add_special_tokens=False)
     chat = client.chat.completions.create(model=None, messages=MESSAGES, max_tokens=2)
     assert r.json()["count"] == chat.usage.prompt_tokens

@@ -17,6 +17,7 @@ from chainspec.gateway.config import GatewayConfig
 from chainspec.gateway.membership import StaticVerifiers
 from chainspec.gateway.server import GatewayServer
 from tests.integration.test_gateway import LONG, stack  # noqa: F401
+from tests.integration.tiny_checkpoint import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.timeout(300)
 TIMEOUT_S, LIVELY_S = 1.0, 0.5
@@ -44,7 +45,7 @@ def gateways(stack):  # noqa: F811
         assert stack.loop.run(server.wait_ready(30))
         return server
     servers = (start(True, ChatTemplate(limits=RenderLimits(timeout_s=TIMEOUT_S))),
-               start(False, ChatTemplate()))
+               start(False, ChatTemplate(CHAT_TEMPLATE)))
     yield servers
     for server in servers:
         stack.loop.run(server.stop())

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from chainspec.training.bpe import CHAT_TEMPLATE
 from tests.unit.checkpoints import (
     hf_config,
     mtp_prefix,
@@ -28,6 +29,15 @@ EOT = "<|endoftext|>"
 CORPUS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
           "The quick brown fox jumps over the lazy dog. Ünïcödé: €, 你好, 🙂.\n",
           "for i in range(10):\n    print(i * i)\n"] * 4
+# The tiny model's chat template is the demo model's (CHAT_TEMPLATE: a `<|role|>` line
+# and the message per turn, then `<|assistant|>` and a newline); `chat_prompt` its text.
+
+
+def chat_prompt(turns, add_generation_prompt: bool = True) -> str:
+    """What CHAT_TEMPLATE renders for `turns` (Turn or (role, content))."""
+    pairs = [(t.role, t.content) if hasattr(t, "role") else tuple(t) for t in turns]
+    return "".join(f"<|{role}|>\n{content}\n" for role, content in pairs) + \
+        ("<|assistant|>\n" if add_generation_prompt else "")
 
 
 def write_tokenizer(model_dir: Path, vocab_size: int) -> int:
@@ -50,6 +60,7 @@ def write_tiny_model(model_dir: Path, num_mtp: int = 1, hidden: int = 32, layers
     """Config, tokenizer, `model.safetensors` (Llama target) and `mtp.safetensors`
     (DeepSeek-named modules after the target's layers)."""
     eot = write_tokenizer(model_dir, 300)
+    (model_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     vocab = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab_size()
     cfg = hf_config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                     num_hidden_layers=layers, head_dim=hidden // 4,

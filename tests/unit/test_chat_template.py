@@ -100,13 +100,41 @@ def test_server_template_failures_name_the_server(chat) -> None:
         "messages: the server's chat template failed: its text passed the limit")
 
 
-def test_default_template_is_unchanged_and_starts_no_worker() -> None:
+def test_no_template_is_a_400_naming_the_flag_and_starts_no_worker() -> None:
     t = ChatTemplate()
-    turns = [Turn("system", "S"), Turn("user", "U")]
-    assert asyncio.run(t.render(turns)) == "<|system|>\nS\n<|user|>\nU\n<|assistant|>\n"
-    assert asyncio.run(t.render(turns, add_generation_prompt=False)) == \
-        "<|system|>\nS\n<|user|>\nU\n"
-    assert t._pool is None
+    with pytest.raises(APIError) as e:
+        asyncio.run(t.render([Turn("user", "U")]))
+    assert e.value.status == 400 and e.value.param == "messages"
+    assert "has no chat template" in e.value.message and "--chat-template" in e.value.message
+    assert t._pool is None  # nothing was invented, nothing rendered
+    assert render(t, "{{ messages[0]['content'] }}?") == "hi?"  # a trusted request's own
+
+
+def test_chat_template_flag_replaces_the_models(tmp_path) -> None:
+    from tests.integration.tiny_checkpoint import write_tokenizer
+    d = tmp_path / "m"
+    write_tokenizer(d, 300)
+    (d / "chat_template.jinja").write_text("model:{{ messages[0]['content'] }}")
+    (tmp_path / "t.jinja").write_text("file:{{ messages[0]['content'] }}")
+    inline = "inline:{{ messages[0]['content'] }}"
+    for value, want in ((None, "model:hi"), (str(tmp_path / "t.jinja"), "file:hi"),
+                        (inline, "inline:hi")):
+        t = ChatTemplate.from_model_dir(d, value)
+        try:
+            assert asyncio.run(t.render(TURNS)) == want
+            assert t.tokenizer is not None  # the model's tokenizer either way
+        finally:
+            t.close()
+
+
+@pytest.mark.parametrize("value,says", [
+    ("missing.jinja", "--chat-template missing.jinja: neither a template nor a readable file"),
+    ("{% for %}", "--chat-template {% for %} is not a valid Jinja template: line 1:"),
+])
+def test_a_bad_chat_template_flag_is_one_line(value, says) -> None:
+    with pytest.raises(ValueError) as e:
+        ChatTemplate.from_model_dir(None, value)
+    assert str(e.value).startswith(says) and "\n" not in str(e.value)
 
 
 def test_pool_timeout_death_and_close() -> None:

@@ -23,6 +23,7 @@ from chainspec.gateway.chat_template import ChatTemplate
 from chainspec.gateway.config import GatewayConfig
 from chainspec.gateway.routing import VerifierPool
 from chainspec.rpc.generated.v1 import verifier_pb2 as pb
+from chainspec.training.bpe import CHAT_TEMPLATE
 
 MAX_BODY = 256 * 1024
 EXAMPLES = 2000
@@ -70,12 +71,14 @@ def gateway():
     """(event loop, httpx client on the app in-process)."""
     pool = VerifierPool()
     pool.handles["fake:1"] = FakeVerifier()
-    app = build_app(Gateway(GatewayConfig(max_body_bytes=MAX_BODY), pool, ChatTemplate()))
+    chat = ChatTemplate(CHAT_TEMPLATE)  # the demo model's
+    app = build_app(Gateway(GatewayConfig(max_body_bytes=MAX_BODY), pool, chat))
     loop = asyncio.new_event_loop()
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
     yield loop, client
     loop.run_until_complete(client.aclose())
     loop.close()
+    chat.close()
 
 
 # ------------------------------------------------------------------------- the bodies

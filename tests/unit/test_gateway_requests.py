@@ -263,17 +263,11 @@ def test_api_key() -> None:
         assert e.value.status == 401 and e.value.headers["WWW-Authenticate"] == "Bearer"
 
 
-def test_default_chat_template() -> None:
-    turns = [Turn("system", "S"), Turn("user", "U")]
-    expected = "<|system|>\nS\n<|user|>\nU\n<|assistant|>\n"
-    assert asyncio.run(ChatTemplate().render(turns)) == expected
-
-
 def test_model_chat_template(tmp_path) -> None:
     template = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}"
                 "{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
                 "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
-    t = ChatTemplate(template, bos_token="<s>")
+    t = ChatTemplate(template, {"bos_token": "<s>"})
 
     async def both() -> str:
         try:
@@ -285,17 +279,18 @@ def test_model_chat_template(tmp_path) -> None:
         asyncio.run(both())
     assert e.value.param == "messages" and "no tools" in e.value.message
     assert "the server's chat template" in e.value.message
-    assert ChatTemplate.from_model_dir(None).is_default
+    assert ChatTemplate.from_model_dir(None).source is None
 
 
 def test_model_dir_template(tmp_path) -> None:
     d = tmp_path / "m"
     write_tokenizer(d, 300)
-    assert ChatTemplate.from_model_dir(d).is_default
+    assert ChatTemplate.from_model_dir(d).source is None
     (d / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<e>"}}))
     t = ChatTemplate.from_model_dir(d)
-    assert asyncio.run(t.render([Turn("user", "x")])) == "x!" and t.eos_token == "<e>"
+    assert asyncio.run(t.render([Turn("user", "x")])) == "x!"
+    assert t.special_tokens == {"eos_token": "<e>"}
     t.close()
 
 

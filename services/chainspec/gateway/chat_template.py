@@ -1,39 +1,45 @@
-"""Chat messages -> one prompt text.
+"""Chat messages -> one prompt text, as transformers' `apply_chat_template` renders it.
 
-A model directory with a chat template (`chat_template.jinja` or `tokenizer_config.json`,
-see `Tokenizer.from_dir`) is rendered with jinja2 in a sandbox, with the variables
-Hugging Face templates expect (`messages`, `add_generation_prompt`, `bos_token`,
-`eos_token`, `raise_exception`). Without one, the documented default is used:
-
-    <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
-
-one `<|role|>` line and the message per turn, then `<|assistant|>` and a newline.
+The template is the model's (`chat_template.jinja` or `tokenizer_config.json`, see
+`Tokenizer.from_dir`), or `--chat-template` (vLLM's flag: a file, or the template text
+itself), which replaces it. It sees what transformers gives it: `messages`, `tools` and
+`documents` (None unless chat_template_kwargs set them), `add_generation_prompt`, the
+named special tokens of `tokenizer_config.json` (`bos_token`, `eos_token`, ...) and the
+request's chat_template_kwargs, in transformers' Jinja environment (`template_env.py`).
+A model without a template has none: a chat request is a 400 naming `--chat-template`
+(vLLM's answer too; nothing is invented).
 
 A template is a program, so every Jinja render -- the server's and a request's own
 `chat_template` (refused unless the gateway trusts them, vLLM's
 `--trust-request-chat-template`) -- runs in a worker process (`render_pool.py`) within
 `RenderLimits`: a time limit (the worker is killed past it), a cap on the text's size
 (checked as it is produced, and before `*`/`+` build a large value) and on the worker's
-memory. Every failure is a 400 naming whose template failed. This file is the one place
-that knows how a template is rendered (`render_job`, `_compile`).
+memory. Every failure is a 400 naming whose template failed.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from chainspec.gateway.errors import APIError, invalid
 from chainspec.gateway.logprobs import token_id_text
 from chainspec.gateway.render_pool import RenderFailed, RenderPool, RenderTimeout
+from chainspec.gateway.template_env import compile_template, render_job
 from chainspec.models.tokenizer import Tokenizer
+
+# transformers' named special tokens (`special_tokens_map`), each a template variable
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                  "cls_token", "mask_token")
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' continue_final_message marker
+NO_TEMPLATE = ("the model has no chat template (no chat_template.jinja, none in "
+               "tokenizer_config.json): start the server with --chat-template (a file or "
+               "the template itself), or send the prompt to /v1/completions")
 
 
 @dataclass(frozen=True)
@@ -52,49 +58,63 @@ class RenderLimits:
     workers: int = 2  # processes rendering at once; more renders wait for one
 
 
-def default_render(turns: Sequence[Turn]) -> str:
-    return "".join(f"<|{t.role}|>\n{t.content}\n" for t in turns) + "<|assistant|>\n"
+def load_chat_template(value: str) -> str:
+    """`--chat-template`: the text itself when it reads as a template (vLLM's rule: it
+    holds `{`, `}` or a newline), else the file it names."""
+    if any(c in value for c in "{}\n"):
+        return value
+    try:
+        return Path(value).expanduser().read_text()
+    except OSError as e:
+        raise ValueError(f"--chat-template {value}: neither a template nor a readable file "
+                         f"({e.strerror})") from None
 
 
 class ChatTemplate:
     """Renders a conversation for generation (the assistant's turn comes next)."""
 
-    def __init__(self, template: str | None = None, bos_token: str = "",
-                 eos_token: str = "", tokenizer: Tokenizer | None = None,
-                 limits: RenderLimits = RenderLimits()) -> None:
+    def __init__(self, template: str | None = None,
+                 special_tokens: Mapping[str, str] | None = None,
+                 tokenizer: Tokenizer | None = None, limits: RenderLimits = RenderLimits(),
+                 origin: str = "the chat template") -> None:
         self.tokenizer = tokenizer  # for logprobs' token strings; None: `token_id:<id>`
-        self.source = template
-        self.bos_token, self.eos_token = bos_token, eos_token
+        self.source = template or None
+        self.special_tokens = dict(special_tokens or {})
         self.limits = limits
-        if template:
-            _compile(template, limits.max_chars)  # NOTE: a broken model template fails here
+        if self.source:
+            try:  # NOTE: a broken model template fails at start, in one line
+                compile_template(self.source, limits.max_chars)
+            except jinja2.TemplateSyntaxError as e:
+                raise ValueError(f"{origin} is not a valid Jinja template: line {e.lineno}: "
+                                 f"{e.message}") from None
         self._pool: RenderPool | None = None  # started by the first Jinja render
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path | None) -> ChatTemplate:
-        """The model's template; the default when there is none (or no directory)."""
+    def from_model_dir(cls, model_dir: str | Path | None, chat_template: str | None = None,
+                       limits: RenderLimits = RenderLimits()) -> ChatTemplate:
+        """The model's tokenizer, special tokens and template; `chat_template` (the
+        `--chat-template` value) replaces the template. No directory: no tokenizer."""
+        source = load_chat_template(chat_template) if chat_template else None
+        origin = f"--chat-template {chat_template}" if chat_template else \
+            f"the chat template of {model_dir}"
         if model_dir is None or not (Path(model_dir) / "tokenizer.json").is_file():
-            return cls()
+            return cls(source, limits=limits, origin=origin)
         tokenizer = Tokenizer.from_dir(model_dir)
-        bos, eos = _special_tokens(Path(model_dir))
-        return cls(tokenizer.chat_template, bos, eos, tokenizer)
+        return cls(source or tokenizer.chat_template, _special_tokens(Path(model_dir)),
+                   tokenizer, limits, origin)
 
     def token_text(self, token: int) -> str:
         if self.tokenizer is None:
             return token_id_text(token)
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
-    @property
-    def is_default(self) -> bool:
-        return not self.source
-
     async def render(self, turns: Sequence[Turn], add_generation_prompt: bool = True,
                      continue_final: bool = False, variables: dict[str, Any] | None = None,
                      template: str | None = None, trust_template: bool = False) -> str:
         """The prompt text. `continue_final`: the text ends with the last message's
         content (its end-of-turn cut off) so the model continues it. `variables`
-        (chat_template_kwargs) and `template` (a request's own chat_template, refused
-        unless `trust_template`) need a Jinja template: the default one takes neither."""
+        (chat_template_kwargs; `tools` and `documents` among them) and `template` (a
+        request's own chat_template, refused unless `trust_template`)."""
         if template is not None and not trust_template:
             raise invalid("chat_template", "this server does not accept a request's chat "
                                            "template (start it with "
@@ -102,19 +122,16 @@ class ChatTemplate:
         _check_variables(variables)
         source = self.source if template is None else template
         if not source:
-            if variables:
-                raise invalid("chat_template_kwargs", "the server's default chat template "
-                                                      "takes no variables")
-            text = default_render(turns)
-            if not add_generation_prompt or continue_final:
-                text = text.removesuffix("<|assistant|>\n")
-        else:
-            context = {**(variables or {}),
-                       "messages": [{"role": t.role, "content": t.content} for t in turns],
-                       "add_generation_prompt": add_generation_prompt and not continue_final,
-                       "bos_token": self.bos_token, "eos_token": self.eos_token}
-            text = await self._render_jinja(source, context, template is not None)
-        return _cut_after(text, turns[-1].content) if continue_final else text
+            raise invalid("messages", NO_TEMPLATE)
+        messages = [{"role": t.role, "content": t.content} for t in turns]
+        if continue_final:  # NOTE: transformers' way: mark the content, cut at the mark
+            messages[-1]["content"] += CONTINUE_TAG
+        variables = variables or {}
+        context = {**self.special_tokens, **variables, "messages": messages,
+                   "tools": variables.get("tools"), "documents": variables.get("documents"),
+                   "add_generation_prompt": add_generation_prompt and not continue_final}
+        text = await self._render_jinja(source, context, template is not None)
+        return _cut_at_tag(text, turns[-1].content) if continue_final else text
 
     async def _render_jinja(self, source: str, context: dict[str, Any], requested: bool) -> str:
         if self._pool is None:
@@ -135,7 +152,7 @@ class ChatTemplate:
             pool.close()
 
 
-_RESERVED = frozenset({"messages", "bos_token", "eos_token", "add_generation_prompt"})
+_RESERVED = frozenset({"messages", "add_generation_prompt", *SPECIAL_TOKENS})
 
 
 def _check_variables(variables: dict[str, Any] | None) -> None:
@@ -165,103 +182,30 @@ def _failure_text(e: RenderFailed, limits: RenderLimits) -> str:
     return f"failed: {e.message or e.kind}"  # raise_exception's message among them
 
 
-def _cut_after(text: str, content: str) -> str:
-    """`text` up to the end of the last occurrence of `content` (Hugging Face's
-    continue_final_message)."""
-    at = text.rfind(content) if content else -1
-    if at < 0:
+def _cut_at_tag(text: str, content: str) -> str:
+    """`text` up to the continue mark, as transformers cuts it (trailing spaces a
+    template trimmed after the content stay trimmed)."""
+    tag = CONTINUE_TAG.strip()
+    if tag not in text or content.strip() not in text:
         raise invalid("continue_final_message", "the chat template does not show the last "
                                                 "message's content as given")
-    return text[:at + len(content)]
+    at = text.rindex(tag)
+    return text[:at] if text.startswith(CONTINUE_TAG, at) else text[:at].rstrip()
 
 
-# -- in the render worker ----------------------------------------------------------------
-def render_job(job: tuple[str, dict[str, Any], int]) -> str:
-    """(template source, variables, max_chars) -> the text; runs in a render worker."""
-    source, context, max_chars = job
-    return _joined(_compiled(source, max_chars).generate(**context), max_chars)
-
-
-@functools.lru_cache(maxsize=16)
-def _compiled(source: str, max_chars: int) -> jinja2.Template:
-    return _compile(source, max_chars)
-
-
-def _joined(chunks: Iterator[str], max_chars: int) -> str:
-    out, size = [], 0
-    for chunk in chunks:
-        size += len(chunk)
-        if size > max_chars:
-            raise TooLarge(f"its text passed the limit of {max_chars:,} characters")
-        out.append(chunk)
-    return "".join(out)
-
-
-class TooLarge(jinja2.TemplateRuntimeError):
-    pass
-
-
-class _BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox, with `*` and `+` refusing to build a string or list over max_chars
-    and `**` refusing integers over 64 Kibit (each would otherwise run long in one C call
-    before any limit could look). `range` is the sandbox's own (100,000 at most)."""
-
-    intercepted_binops = frozenset({"*", "+", "**"})
-
-    def __init__(self, max_chars: int, **options: Any) -> None:
-        super().__init__(**options)
-        self.max_chars = max_chars
-
-    def call_binop(self, context, op: str, left: Any, right: Any) -> Any:
-        if op == "**":
-            _check_power(left, right)
-        else:
-            size = _result_size(op, left, right)
-            if size > self.max_chars:
-                raise TooLarge(f"{op!r} would build {size:,} items, over the limit of "
-                               f"{self.max_chars:,}")
-        return self.binop_table[op](left, right)
-
-
-_SEQUENCES = (str, list, tuple)
-
-
-def _result_size(op: str, left: Any, right: Any) -> int:
-    if op == "+":
-        both = isinstance(left, _SEQUENCES) and isinstance(right, _SEQUENCES)
-        return len(left) + len(right) if both else 0
-    for seq, times in ((left, right), (right, left)):
-        if isinstance(seq, _SEQUENCES) and isinstance(times, int):
-            return len(seq) * max(times, 0)
-    return 0
-
-
-def _check_power(base: Any, exponent: Any) -> None:
-    if isinstance(base, int) and isinstance(exponent, int) and abs(base) > 1 \
-            and exponent * max(abs(base).bit_length() - 1, 1) > 65536:
-        raise TooLarge("'**' would build an integer over 64 Kibit")
-
-
-def _compile(template: str, max_chars: int) -> jinja2.Template:
-    env = _BoundedEnvironment(max_chars, trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent,
-                                                                  ensure_ascii=False)
-    env.globals["raise_exception"] = _raise
-    return env.from_string(template)
-
-
-def _raise(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _special_tokens(model_dir: Path) -> tuple[str, str]:
-    path = model_dir / "tokenizer_config.json"
-    try:
-        cfg = json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError:
-        cfg = {}
-
-    def text(value) -> str:
-        value = value.get("content") if isinstance(value, dict) else value
-        return value if isinstance(value, str) else ""
-    return text(cfg.get("bos_token")), text(cfg.get("eos_token"))
+def _special_tokens(model_dir: Path) -> dict[str, str]:
+    """The named special tokens that `tokenizer_config.json` (else
+    `special_tokens_map.json`) sets, as transformers passes them to a template."""
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+        path = model_dir / name
+        try:
+            cfg = json.loads(path.read_text()) if path.is_file() else {}
+        except json.JSONDecodeError:
+            cfg = {}
+        for key in SPECIAL_TOKENS if isinstance(cfg, dict) else ():
+            value = cfg.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                found[key] = value
+    return found

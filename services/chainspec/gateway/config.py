@@ -27,6 +27,7 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 2 ** 20  # a larger request body is 413, refused unread
     max_n: int = 16  # choices (`n`) one request may ask for; more is a 400 naming n
     trust_request_chat_template: bool = False  # honour a request's chat_template (vLLM)
+    chat_template: str | None = None  # --chat-template: a file or the text (the model's)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -48,6 +49,10 @@ class GatewayConfig:
         if not isinstance(self.trust_request_chat_template, bool):
             raise ValueError(f"gateway.trust_request_chat_template must be true or false, "
                              f"got {self.trust_request_chat_template!r}")
+        if self.chat_template is not None and (not isinstance(self.chat_template, str)
+                                               or not self.chat_template.strip()):
+            raise ValueError(f"gateway.chat_template must be a file or a template, got "
+                             f"{self.chat_template!r}")
 
     @classmethod
     def from_dict(cls, data: Any) -> GatewayConfig:

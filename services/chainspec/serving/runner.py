@@ -85,8 +85,8 @@ class ServingStack:
         controller = stack.connect(c.address, c.stack.namespace)
         self.target = stack.target_of(c.stack.namespace)
         running = stack.config(c.address, c.stack.namespace)  # NOTE: with the stack's token
-        chat = ChatTemplate.from_model_dir(c.stack.model_dir) \
-            if Path(c.stack.model_dir).is_dir() else ChatTemplate()
+        model_dir = c.stack.model_dir if Path(c.stack.model_dir).is_dir() else None
+        chat = ChatTemplate.from_model_dir(model_dir, c.gateway.chat_template)
         source = ControllerVerifiers(controller, on_lost=self.lost.set)
         self.gateway = self.loop.run(GatewayServer.start(
             c.gateway, source, chat, running.client_options()))

@@ -47,6 +47,12 @@ def token_stream(docs: Sequence[Sequence[int]], eot: int) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+# The demo's chat format: a `<|role|>` line and the message per turn, then `<|assistant|>`
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + "
+                 "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+                 "{% endif %}")
+
+
 def write_tokenizer_files(tok: Tokenizer, out_dir: Path, max_length: int) -> None:
     """tokenizer.json plus a tokenizer_config.json that transformers understands."""
     tok.save(str(out_dir / "tokenizer.json"))
@@ -59,5 +65,6 @@ def write_tokenizer_files(tok: Tokenizer, out_dir: Path, max_length: int) -> Non
         "add_eos_token": False,
         "model_max_length": max_length,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
