@@ -13,6 +13,9 @@ from tokenizers import decoders, models, pre_tokenizers
 from chainspec.engine.request import FinishReason, RequestOutput, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.models.tokenizer import Tokenizer
+from chainspec.rpc.codec import WireError
+from chainspec.rpc.generate_codec import GenerateLimits, parse_generate
+from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 from chainspec.rpc.verifier_service import _ResponseWriter
 from tests.unit.engine_fixtures import engine, prompts, tied_pair
 
@@ -133,3 +136,23 @@ def test_text_the_client_lacks_goes_out_with_the_first_chunk(byte_tokenizer):
     writer = _ResponseWriter("r", byte_tokenizer.encode("say:"), byte_tokenizer, ())
     writer.resume(ids[:5], 2)  # "hello" generated, "he" sent
     assert _text(writer, ids[5:], None) == "llo world"
+
+
+# ------------------------------------------------------------------------------ wire
+
+
+def test_the_wire_continuation_is_parsed_and_checked():
+    limits = GenerateLimits(vocab_size=61, max_len=40, num_steps=3)  # context 36
+    req = pb.GenerateRequest(tokens=pb.PromptTokens(ids=[1, 2, 3]))
+    assert parse_generate(req, limits, None).generated == ()  # unset: a new request
+    req.continuation.token_ids.extend([4, 5])
+    req.continuation.text_sent = 7
+    args = parse_generate(req, limits, None)
+    assert (args.prompt, args.generated, args.text_sent) == ([1, 2, 3], (4, 5), 7)
+    req.continuation.token_ids.append(61)
+    with pytest.raises(WireError, match=r"^continuation.token_ids\[2\] = 61"):
+        parse_generate(req, limits, None)
+    del req.continuation.token_ids[:]
+    req.continuation.token_ids.extend([1] * 34)  # 3 + 34 > 36
+    with pytest.raises(WireError, match=r"^continuation.token_ids: 3 prompt and 34"):
+        parse_generate(req, limits, None)
