@@ -8,6 +8,7 @@ No-op parameters must be in the gateway's documented ACCEPTED_EXTRAS. Plus `n` =
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -224,7 +225,23 @@ def chat_echoed(ctx, path, r, name) -> None:
     assert text_of(r.json()) == "Sure" + text_of(plain)
 
 
+def matches(pattern: str) -> Check:
+    """The output is the whole of `pattern` (a grammar's), and ended there (EOS)."""
+    def check(ctx, path, r, name) -> None:
+        assert r.status_code == 200, r.text
+        text, reason = text_of(r.json()), r.json()["choices"][0]["finish_reason"]
+        assert re.fullmatch(pattern, text) and reason == "stop", (text, reason)
+    return check
+
+
+def refused_as(param: str) -> Check:
+    def check(ctx, path, r, name) -> None:
+        error(r, 400, param)
+    return check
+
+
 # ------------------------------------------------------------------------- the table
+FREE = {"ignore_eos": False, "max_tokens": 32}  # room for a grammar to end with EOS
 CONTINUE = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": "Sure"}]
 TEMPLATE = "{{ messages[0]['content'] }}{{ mark }}"
 REFUSE = "refuse"
@@ -257,7 +274,26 @@ ROWS: list[tuple[tuple[str, ...], str, Any, Any]] = [
      {"stream": True, "stream_options": {"continuous_usage_stats": True}}, REFUSE),
     ((CMPL, CHAT), "ignore_eos", {"ignore_eos": True}, wire_ignore_eos),
     ((CMPL, CHAT), "request_id", {"request_id": "my-id-1"}, response_id),
-    ((CMPL, CHAT), "response_format", {"response_format": {"type": "json_object"}}, REFUSE),
+    ((CMPL, CHAT), "response_format", {**FREE, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {
+            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}},
+     matches(r'\{"ok": (true|false)\}')),
+    ((CMPL, CHAT), "response_format", {"response_format": {"type": "json_object"}},
+     refused_as("ignore_eos")),  # BASE ignores EOS, which a grammar needs to end
+    ((CMPL, CHAT), "guided_regex", {**FREE, "guided_regex": "[0-9]{3}"}, matches("[0-9]{3}")),
+    ((CMPL, CHAT), "guided_choice", {**FREE, "guided_choice": ["yes", "no"]},
+     matches("yes|no")),
+    ((CMPL, CHAT), "guided_json", {**FREE, "guided_json": {"enum": ["red", "blue"]}},
+     matches('"(red|blue)"')),
+    ((CMPL, CHAT), "guided_grammar", {**FREE, "guided_grammar": 'root ::= "a" "b"?'},
+     matches("ab?")),
+    ((CMPL, CHAT), "guided_decoding_backend",
+     {**FREE, "guided_regex": "[xy]z", "guided_decoding_backend": "xgrammar"}, matches("[xy]z")),
+    ((CMPL, CHAT), "guided_decoding_backend", {"guided_decoding_backend": "outlines"}, REFUSE),
+    ((CMPL, CHAT), "structured_outputs", {**FREE, "structured_outputs": {"regex": "[a-c]{2}"}},
+     matches("[a-c]{2}")),
+    ((CMPL, CHAT), "structured_outputs", {**FREE, "structured_outputs": {"regex": "(a"}},
+     refused_as("structured_outputs.regex")),
     ((CMPL,), "prompt", {"prompt": ["a", "b"]}, REFUSE),
     ((CMPL,), "echo", {"echo": True}, echoed),
     ((CHAT,), "messages", {"messages": [{"role": "user", "content": "other"}]},
@@ -294,10 +330,8 @@ ROWS: list[tuple[tuple[str, ...], str, Any, Any]] = [
 ]
 ON_VALUES: dict[str, Any] = {  # a value that would change the output, per refused name
     "suffix": "!", "use_beam_search": True, "length_penalty": 2.0, "prompt_logprobs": 1,
-    "allowed_token_ids": [1, 2], "bad_words": ["x"], "guided_json": {"type": "object"},
-    "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
-    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
-    "structured_outputs": {"regex": "a+"}, "structural_tag": "{}",
+    "allowed_token_ids": [1, 2], "bad_words": ["x"], "guided_whitespace_pattern": " ",
+    "structural_tag": "{}",
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "functions": [{"name": "f"}], "tool_choice": "auto", "function_call": "auto",
     "documents": [{"text": "d"}], "mm_processor_kwargs": {"a": 1},

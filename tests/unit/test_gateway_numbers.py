@@ -226,8 +226,8 @@ def test_logit_bias_naming_a_token_twice() -> None:
 
 
 def test_response_format_needs_a_type() -> None:
-    assert refusal({"response_format": {}}).param == "response_format"
-    assert refusal({"response_format": {"type": "json_object"}}).param == "response_format"
+    assert refusal({"response_format": {}}).param == "response_format.type"
+    assert refusal({"response_format": {"type": "json"}}).param == "response_format.type"
     parse(CompletionRequest, {**CMPL, "response_format": {"type": "text"}})
 
 

@@ -152,7 +152,7 @@ def test_completion_errors_name_the_field(body, param) -> None:
     ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
     ({**CHAT, "tool_choice": "auto"}, "tool_choice"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     # fields inside a message are checked too: none is dropped silently
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "a"}]}]},
      "messages[0].tool_calls"),

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from chainspec.engine.grammar import GrammarSpec
+from chainspec.gateway import structured_output
 from chainspec.gateway.errors import APIError, from_grpc, invalid, unavailable, unsupported
 from chainspec.gateway.failover import (
     DEFAULT_FAILOVER,
@@ -47,6 +49,7 @@ class Processing:
     min_p: float = 0.0
     min_tokens: int = 0
     logprobs: int | None = None  # alternatives per token; None: no logprobs
+    grammar: GrammarSpec | None = None  # structured output (SamplingParams 12); None: off
 
     def fill(self, s: pb.SamplingParams) -> None:
         s.presence_penalty, s.frequency_penalty = self.presence_penalty, self.frequency_penalty
@@ -57,6 +60,8 @@ class Processing:
         s.min_p, s.min_tokens = self.min_p, self.min_tokens
         if self.logprobs is not None:
             s.logprobs = self.logprobs
+        if self.grammar is not None:
+            structured_output.fill(self.grammar, s.grammar)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from chainspec.gateway import structured_output
 from chainspec.gateway.app import Gateway
 from chainspec.gateway.auth import check_api_key
 from chainspec.gateway.body import read_json
@@ -30,6 +31,7 @@ def _gateway(request: Request) -> Gateway:
 async def completions(request: Request) -> Response:
     gateway = _gateway(request)
     body = parse(CompletionRequest, await read_json(request))
+    await structured_output.check(body.grammar_spec())
     prompt = body.prompt_value()
     model = gateway.resolve_model(body.model)
     response_id, specs = gateway.new_specs(body, prompt, "cmpl-")
@@ -42,6 +44,7 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     gateway = _gateway(request)
     body = parse(ChatCompletionRequest, await read_json(request))
+    await structured_output.check(body.grammar_spec())
     prompt = await gateway.chat.render(
         [Turn(m.role, m.text()) for m in body.messages], body.generation_prompt,
         body.continue_final_message, body.chat_template_kwargs, body.chat_template,

@@ -36,10 +36,12 @@ from pydantic import (
     field_validator,
 )
 
+from chainspec.engine.grammar import GrammarSpec
 from chainspec.gateway.client import Processing
 from chainspec.gateway.config import MAX_N_LIMIT
 from chainspec.gateway.errors import APIError, field_name, invalid, unsupported
 from chainspec.gateway.params import REFUSED, check_extras
+from chainspec.gateway.structured_output import GuidedFields
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
@@ -86,8 +88,8 @@ class Speculative(BaseModel):
     num_speculative_tokens: Int = Field(ge=0, lt=UINT32)
 
 
-class _Sampling(BaseModel):
-    """What both endpoints share."""
+class _Sampling(GuidedFields):
+    """What both endpoints share (the structured output fields: `GuidedFields`)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -109,7 +111,6 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: Bool = False
     request_id: str | None = Field(None, min_length=1, max_length=128)
-    response_format: dict[str, Any] | None = None
     presence_penalty: Normal = Field(0.0, ge=-2, le=2)
     frequency_penalty: Normal = Field(0.0, ge=-2, le=2)
     repetition_penalty: Normal = Field(1.0, ge=REPETITION_PENALTY[0],
@@ -163,11 +164,10 @@ class _Sampling(BaseModel):
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise unsupported("stream_options.continuous_usage_stats",
                               "usage on every chunk")
-        if self.response_format is not None and "type" not in self.response_format:
-            raise invalid("response_format", 'needs a "type" (this server supports '
-                                             '{"type": "text"})')
-        if self.response_format is not None and self.response_format["type"] != "text":
-            raise unsupported("response_format", "a structured response format")
+        constraint = self.grammar_spec()  # one, of the right shape (parsed in routes)
+        if constraint is not None and self.ignore_eos:
+            raise invalid("ignore_eos", f"cannot be used with {constraint[0]} (the grammar "
+                                        f"ends the output with an end-of-sequence token)")
         if self.max_tokens == 0 and not self.prompt_only:
             raise invalid("max_tokens", "must be >= 1 (0 only with echo on /v1/completions, "
                                         "which returns the prompt alone)")
@@ -189,7 +189,11 @@ class _Sampling(BaseModel):
             bias.append((int(key), value))
         return Processing(self.presence_penalty, self.frequency_penalty,
                           self.repetition_penalty, tuple(sorted(bias)), self.min_p,
-                          self.min_tokens, self.num_logprobs)
+                          self.min_tokens, self.num_logprobs, self._grammar())
+
+    def _grammar(self) -> GrammarSpec | None:
+        constraint = self.grammar_spec()
+        return None if constraint is None else constraint[1]
 
     @property
     def num_logprobs(self) -> int | None:
