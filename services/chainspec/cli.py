@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 from chainspec.commands.help_format import OneLineErrorParser
+from chainspec.spine.read import DeprecatedKey
 
 # Module names under chainspec.commands, in help order.
 COMMANDS = ("generate", "bench", "train_demo", "train_mtp", "drafter", "verifier", "up",
@@ -30,7 +32,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
     return parser, handlers
 
 
+def _warn_plainly(message, category, *_args, **_kwargs) -> None:
+    """A deprecated config key: one line on stderr, no source line."""
+    if issubclass(category, DeprecatedKey):
+        print(f"chainspec: warning: {message}", file=sys.stderr, flush=True)
+    else:
+        _show_warning(message, category, *_args, **_kwargs)
+
+
+_show_warning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = _warn_plainly
     parser, handlers = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -27,7 +27,7 @@ def gateway(model_name: str = "") -> Gateway:
     pool = VerifierPool()
     for i, (model, length) in enumerate([("org/b", 512), ("org/a", 1024), ("org/b", 2048)]):
         pool.handles[f"v:{i}"] = FakeVerifier(f"v:{i}", model, length)
-    return Gateway(GatewayConfig(model_name=model_name), pool, ChatTemplate())
+    return Gateway(GatewayConfig(served_model_name=model_name), pool, ChatTemplate())
 
 
 def test_one_card_per_model_with_its_longest_context() -> None:

@@ -12,8 +12,8 @@ from chainspec.cli import main
 from chainspec.serving.config import ServeConfig
 
 FILE = """
-model_dir: /models/m
-num_steps: 4
+model: /models/m
+num_speculative_tokens: 4
 drafter: {replicas: 2, num_gpus: 0.5}
 address: ray://head:10001
 gateway:
@@ -33,7 +33,8 @@ def test_file_and_flags(tmp_path, capsys) -> None:
     path.write_text(FILE)
     out = dry_run(capsys, "serve", "--config", str(path), "--port", "9100", "--verifiers", "3")
     c = out["config"]
-    assert (c["model_dir"], c["num_steps"], c["address"]) == ("/models/m", 4, "ray://head:10001")
+    assert (c["model"], c["num_speculative_tokens"], c["address"]) == ("/models/m", 4,
+                                                                       "ray://head:10001")
     assert c["drafter"]["replicas"] == 2 and c["drafter"]["num_gpus"] == 0.5
     assert c["verifier"]["replicas"] == 3
     assert c["gateway"]["port"] == 9100 and c["gateway"]["max_in_flight"] == 8
@@ -62,21 +63,21 @@ def test_defaults_and_env_key(capsys, monkeypatch) -> None:
     assert (c["gateway"]["host"], c["gateway"]["port"]) == ("127.0.0.1", 8000)
     assert c["gateway"]["api_key"] == "<set>" and c["address"] is None
     assert c["drafter"]["replicas"] == 1 and c["verifier"]["replicas"] == 1
-    assert c["model_dir"].endswith("assets/demo")
+    assert c["model"].endswith("assets/demo")
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("bogus: 1\n", "config: unknown keys bogus"),
+    ("bogus: 1\n", ": unknown keys bogus"),
     ("gateway: {prot: 80}\n", "gateway: unknown keys prot"),
     ("drafter: {replica: 2}\n", "drafter: unknown keys replica"),
-    ("gateway: {port: 70000}\n", "gateway.port must be in [0, 65535]"),
+    ("gateway: {port: 70000}\n", "gateway.port: input should be less than or equal to 65535"),
     ("gateway: {max_in_flight: 0}\n", "gateway.max_in_flight"),
     ("gateway: {trust_request_chat_template: 'yes'}\n",
-     "gateway.trust_request_chat_template must be true or false"),
+     "gateway.trust_request_chat_template: expected true or false, got the string 'yes'"),
     ("gateway: 3\n", "gateway: expected a mapping"),
     ("start_timeout_s: 0\n", "start_timeout_s"),
     ("- a\n", "expected a mapping at the top level"),
-    ("num_steps: [\n", "not YAML or JSON"),
+    ("num_speculative_tokens: [\n", "not YAML or JSON"),
 ])
 def test_bad_files_are_refused_naming_the_key(tmp_path, capsys, text, needle) -> None:
     path = tmp_path / "bad.yaml"
@@ -86,10 +87,11 @@ def test_bad_files_are_refused_naming_the_key(tmp_path, capsys, text, needle) ->
 
 
 def test_round_trip() -> None:
-    c = ServeConfig.from_dict({"num_steps": 2, "gateway": {"api_key": "k", "port": 0}})
+    c = ServeConfig.from_dict({"num_speculative_tokens": 2,
+                               "gateway": {"api_key": "k", "port": 0}})
     assert ServeConfig.from_dict(c.to_dict()) == c
     assert c.describe()["gateway"]["api_key"] == "<set>"
-    with pytest.raises(ValueError, match="gateway.api_key must not be empty"):
+    with pytest.raises(ValueError, match="gateway.api_key: must not be empty or blank"):
         ServeConfig.from_dict({"gateway": {"api_key": " "}})
 
 

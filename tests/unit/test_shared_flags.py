@@ -23,16 +23,17 @@ from chainspec.commands.stack_flags import STACK_FLAGS
 from chainspec.engine.factory import drafter_config, verifier_config
 from chainspec.engine.local import LocalOptions
 from chainspec.rpc.verifier_service import VerifierOptions
-from tests.unit.test_stack_flags import EXAMPLES
+from tests.unit.test_stack_flags import argv_of as flag_argv
 
 PARSER, _ = build_parser()
 ROWS = {flag.key: flag for flag in STACK_FLAGS}
-SHARED = sorted(set(DRAFTER_KEYS) | set(VERIFIER_KEYS))
+# NOTE: gpu_memory_utilization needs a GPU member, which these commands get from --device
+# (serve and up from --verifier-gpus): test_gpu_memory_utilization_needs_a_gpu
+SHARED = sorted((set(DRAFTER_KEYS) | set(VERIFIER_KEYS)) - {"gpu_memory_utilization"})
 
 
 def argv_of(key: str, name: str | None = None) -> list[str]:
-    value = EXAMPLES[key]
-    return [name or ROWS[key].names[-1]] + ([] if value is None else [value])
+    return flag_argv(ROWS[key], name)
 
 
 def by_stack(argv: list[str]) -> StackConfig:
@@ -60,7 +61,8 @@ def expected_drafter(config: StackConfig):
     # NOTE: alone, a drafter's KV flags size its own pool (in a stack, the verifiers')
     local = dataclasses.replace(config.local_options("drafter"),
                                 kv_cache_memory=config.kv_cache_memory,
-                                kv_cache_fraction=config.kv_cache_fraction)
+                                kv_cache_fraction=config.kv_cache_fraction,
+                                gpu_memory_utilization=config.gpu_memory_utilization)
     return local, drafter_config(local), config.host
 
 
@@ -99,12 +101,25 @@ def test_without_flags_every_command_runs_the_stacks_defaults(monkeypatch) -> No
 
 
 @pytest.mark.parametrize("command,old,key", [
-    ("drafter", "--max-seqs", "drafter_max_seqs"),  # a lone drafter's own slots
-    ("drafter", "--host", "host"), ("verifier", "--host", "host"),
+    ("drafter", "--max-seqs", "drafter_max_num_seqs"),  # a lone drafter's own slots
+    ("drafter", "--max-num-seqs", "drafter_max_num_seqs"),
+    ("drafter", "--host", "grpc_host"), ("verifier", "--host", "grpc_host"),
 ])
 def test_the_service_commands_old_names_still_work(command, old, key) -> None:
     view = drafter_view if command == "drafter" else verifier_view
     assert view(argv_of(key, old)) == view(argv_of(key))
+
+
+def test_gpu_memory_utilization_needs_a_gpu(capsys) -> None:
+    """vLLM's share of TOTAL device memory: a CPU member refuses it in one line; a GPU
+    member's KV budget carries it (the drafter beside it does not claim it twice)."""
+    from chainspec.cli import main
+
+    assert main(["serve", "--gpu-memory-utilization", "0.9", "--dry-run"]) == 2
+    assert "gpu_memory_utilization is a share of a GPU's memory" in capsys.readouterr().err
+    config = by_stack(["--gpu-memory-utilization", "0.9", "--verifier-gpus", "1"])
+    assert config.local_options("verifier").kv_budget.utilization == 0.9
+    assert config.local_options("drafter").kv_budget.utilization is None
 
 
 def test_the_token_reaches_the_service_commands_as_it_reaches_the_stack(monkeypatch) -> None:

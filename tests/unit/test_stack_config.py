@@ -22,8 +22,9 @@ def test_from_dict_round_trip_and_unknown_keys() -> None:
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"num_steps": 0}, "num_steps"), ({"dtype": "int4"}, "dtype"),
-    ({"drafter": {"replicas": -1}}, "replicas"), ({"health_timeout_s": 0}, "timings"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"), ({"dtype": "int4"}, "dtype"),
+    ({"drafter": {"replicas": -1}}, "replicas"),
+    ({"health_timeout_s": 0}, "health_timeout_s: input should be greater than 0"),
     ({"verifier": {"max_restarts": -2}}, "max_restarts"), ({"namespace": ""}, "namespace"),
     ({"drafter": {"port": 70000}}, "port"), ({"tls_ca": "/ca.crt"}, "mTLS needs all"),
 ])
@@ -50,7 +51,7 @@ def test_drafter_mode_local_means_no_drafter_actors() -> None:
         replicas=3)  # a plain RoleConfig is a remote drafter role
     with pytest.raises(ValueError, match="drafter.replicas must be 0 with drafter.mode local"):
         StackConfig.from_dict({"drafter": {"mode": "local", "replicas": 2}})
-    with pytest.raises(ValueError, match="drafter.mode must be one of remote, local"):
+    with pytest.raises(ValueError, match="drafter.mode: input should be 'remote' or 'local'"):
         StackConfig.from_dict({"drafter": {"mode": "colocated"}})
     with pytest.raises(ValueError, match="verifier: unknown keys mode"):
         StackConfig.from_dict({"verifier": {"mode": "local"}})  # a drafter-only key
@@ -157,12 +158,12 @@ def dry_run(capsys, *argv) -> dict:
 def test_up_dry_run_merges_config_file_and_flags(tmp_path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("CHAINSPEC_AUTH_TOKEN", "s3cret")
     path = tmp_path / "stack.yaml"
-    path.write_text("model_dir: /models/x\nmax_len: 512\ndrafter:\n  replicas: 2\n")
+    path.write_text("model: /models/x\nmax_model_len: 512\ndrafter:\n  replicas: 2\n")
     out = dry_run(capsys, "up", "--config", str(path), "--drafter-gpus", "1", "--verifiers",
                   "3", "--address", "ray://head:10001")
     cfg = out["config"]
-    assert (cfg["model_dir"], cfg["max_len"], out["address"]) == ("/models/x", 512,
-                                                                  "ray://head:10001")
+    assert (cfg["model"], cfg["max_model_len"], out["address"]) == ("/models/x", 512,
+                                                                    "ray://head:10001")
     assert cfg["drafter"]["replicas"] == 2 and cfg["drafter"]["num_gpus"] == 1.0
     assert cfg["verifier"]["replicas"] == 3
     assert cfg["auth_token"] == "<set>"  # never printed

@@ -16,28 +16,50 @@ from chainspec.commands.stack_args import stack_config
 from chainspec.commands.stack_flags import STACK_FLAGS
 from chainspec.gateway.config import GatewayConfig
 from chainspec.serving.config import ServeConfig
+from chainspec.spine.sections import (
+    DrafterRoleSection,
+    RoleSection,
+    StackSection,
+    runtime_name,
+)
+from chainspec.spine.sections import default as spine_default
 
-# StackConfig key -> a command-line value that differs from the default (a new
-# STACK_FLAGS row without an example here fails `test_every_flag_has_an_example`)
+# spine key -> a command-line value that differs from the default (None: an on/off flag,
+# given as the form that is not the default; a new STACK_FLAGS row without an example
+# here fails `test_every_flag_has_an_example`)
 EXAMPLES = {
-    "model_dir": "/models/x", "num_steps": "4", "chain": None, "max_seqs": "5",
-    "drafter_max_seqs": "7", "max_len": "512", "dtype": "bfloat16",
-    "kv_cache_memory": "1048576", "kv_cache_fraction": "0.5", "kv_block_size": "8",
-    "draft_top_k": "4", "use_graphs": None, "max_waiting": "12", "host": "0.0.0.0",
-    "namespace": "ns1", "health_interval_s": "2.5", "drain_timeout_s": "9",
-    "draft_deadline_s": "0.2", "pipeline_groups": "2", "draft_ahead": None,
-    "scheduling_policy": "priority", "speculative_depth": "adaptive",
-    "drafter.mode": "local", "drafter.replicas": "3", "verifier.replicas": "2",
-    "drafter.num_gpus": "0.5", "verifier.num_gpus": "1",
-    "verifier.tensor_parallel_size": "2",
-    "drafter.tensor_parallel_size": "2",
+    "model": "/models/x", "num_speculative_tokens": "4", "chain": None,
+    "speculative_config": '{"method": "mtp", "num_speculative_tokens": 2}',
+    "max_num_seqs": "5", "drafter_max_num_seqs": "7", "max_model_len": "512",
+    "dtype": "bfloat16", "kv_cache_memory_bytes": "1048576", "kv_cache_fraction": "0.5",
+    "gpu_memory_utilization": "0.9", "block_size": "8", "draft_top_k": "4",
+    "enforce_eager": None, "enable_prefix_caching": None, "seed": "7",
+    "max_waiting": "12", "grpc_host": "0.0.0.0", "namespace": "ns1",
+    "health_interval_s": "2.5", "drain_timeout_s": "9", "draft_deadline_s": "0.2",
+    "pipeline_groups": "2", "draft_ahead": None, "scheduling_policy": "priority",
+    "speculative_depth": "adaptive", "drafter.mode": "local", "drafter.replicas": "3",
+    "verifier.replicas": "2", "drafter.num_gpus": "0.5", "verifier.num_gpus": "1",
+    "verifier.tensor_parallel_size": "2", "drafter.tensor_parallel_size": "2",
 }
+# what else an example needs to be valid: gpu_memory_utilization is a GPU member's share
+NEEDS = {"gpu_memory_utilization": ("--verifier-gpus", "1")}
 PARSER, _ = build_parser()
 
 
-def argv_of(flag) -> list[str]:
-    value = EXAMPLES[flag.key]
-    return [flag.names[-1]] + ([] if value is None else [value])
+def argv_of(flag, name: str | None = None) -> list[str]:
+    """The example of `flag` under `name` (default: its last, an old name if it has
+    one); an on/off flag as its form that is not the default (`--no-chain`)."""
+    name, value = name or flag.names[-1], EXAMPLES[flag.key]
+    if value is None:
+        on = not spine_default(*_section(flag.key))
+        return [name if on else "--no-" + name[2:], *NEEDS.get(flag.key, ())]
+    return [name, value, *NEEDS.get(flag.key, ())]
+
+
+def _section(key: str):
+    section, _, name = key.rpartition(".")
+    return {"": StackSection, "drafter": DrafterRoleSection,
+            "verifier": RoleSection}[section], name
 
 
 def both(*argv: str) -> tuple[StackConfig, StackConfig]:
@@ -48,11 +70,21 @@ def both(*argv: str) -> tuple[StackConfig, StackConfig]:
 
 def field_of(config: StackConfig, key: str):
     role, _, name = key.rpartition(".")
-    return getattr(config.role(role) if role else config, name)
+    if name == "speculative_config":
+        return config.num_steps
+    cls, _ = _section(key)
+    return getattr(config.role(role) if role else config, runtime_name(cls, name))
 
 
 def test_every_flag_has_an_example() -> None:
     assert sorted(f.key for f in STACK_FLAGS) == sorted(EXAMPLES)
+
+
+def test_every_row_is_named_for_its_key_first() -> None:
+    """vLLM's names (the config file's keys) come first; today's names follow."""
+    for flag in STACK_FLAGS:
+        if "." not in flag.key:
+            assert flag.names[0] == "--" + flag.key.replace("_", "-"), flag
 
 
 @pytest.mark.parametrize("flag", STACK_FLAGS, ids=lambda f: f.names[-1])
@@ -68,6 +100,15 @@ def test_each_flag_reaches_the_same_field_through_serve_and_up(flag, tmp_path) -
     assert by_serve_f == by_up_f == by_up
 
 
+@pytest.mark.parametrize("flag", [f for f in STACK_FLAGS if len(f.names) > 1],
+                         ids=lambda f: f.names[0])
+def test_every_name_of_a_flag_means_the_same(flag) -> None:
+    """vLLM's flag and chainspec's alias (`--max-model-len`, `--max-len`) resolve to one
+    config through serve and through up."""
+    configs = {both(*argv_of(flag, name)) for name in flag.names}
+    assert len(configs) == 1
+
+
 def test_all_flags_together_over_a_file(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CHAINSPEC_AUTH_TOKEN", "tok")
     path = tmp_path / "stack.yaml"
@@ -75,6 +116,8 @@ def test_all_flags_together_over_a_file(tmp_path, monkeypatch) -> None:
     argv = ["--config", str(path), "--token-env", "CHAINSPEC_AUTH_TOKEN"]
     for flag in STACK_FLAGS:
         if flag.key not in ("kv_cache_fraction", "drafter.replicas",  # exclusive with others
+                            "kv_cache_memory_bytes",
+                            "speculative_config",  # contradicts -k 4
                             "drafter.tensor_parallel_size"):  # (drafter mode local)
             argv += argv_of(flag)
     by_serve, by_up = both(*argv)
@@ -94,8 +137,8 @@ def test_up_takes_host_as_grpc_host_and_serve_as_http_host() -> None:
     ("", "the file is empty"),
     ("# only a comment\n", "the file is empty"),
     ("- a\n", "expected a mapping at the top level"),
-    ("num_steps: [\n", "not YAML or JSON"),
-    ("bogus: 1\n", "config: unknown keys bogus"),
+    ("num_speculative_tokens: [\n", "not YAML or JSON"),
+    ("bogus: 1\n", ": unknown keys bogus"),
 ])
 @pytest.mark.parametrize("command", ["serve", "up"])
 def test_bad_files_are_refused_alike(tmp_path, capsys, command, text, needle) -> None:
@@ -110,8 +153,8 @@ def test_bad_files_are_refused_alike(tmp_path, capsys, command, text, needle) ->
 @pytest.mark.parametrize("build,where", [
     (StackConfig.from_dict, "config"), (ServeConfig.from_dict, "config"),
     (GatewayConfig.from_dict, "gateway"),
-    (lambda d: StackConfig.from_dict({"drafter": d}), "drafter"),
-    (lambda d: StackConfig.from_dict({"verifier": d}), "verifier"),
+    (lambda d: StackConfig.from_dict({"drafter": d}), "config: drafter"),
+    (lambda d: StackConfig.from_dict({"verifier": d}), "config: verifier"),
 ])
 def test_every_level_refuses_unknown_keys_and_non_mappings_alike(build, where) -> None:
     with pytest.raises(ValueError, match=rf"^{where}: unknown keys bogus, zz; known: "):

@@ -4,20 +4,29 @@ controller watches its members. Frozen, validated once, unknown keys rejected.""
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chainspec.cluster.autoscale import AutoscalePolicy
-from chainspec.engine.admission import SchedulingPolicy
-from chainspec.engine.options import DEMO_MODEL, DrafterMode, LocalOptions
-from chainspec.rpc.channel import ClientOptions
-from chainspec.rpc.server import ServerOptions
-from chainspec.strict_config import build_strict, check_mapping
+from chainspec.engine.options import DrafterMode
+from chainspec.spine import RoleSection, StackSection, file_form, runtime_fields, validate
+from chainspec.spine.read import ConfigError, speculative
+from chainspec.spine.sections import DrafterRoleSection
+from chainspec.spine.sections import default as spine_default
 
+if TYPE_CHECKING:  # NOTE: grpc and torch load where used, not to build a parser
+    from chainspec.engine.admission import SchedulingPolicy
+    from chainspec.engine.options import LocalOptions
+    from chainspec.rpc.channel import ClientOptions
+    from chainspec.rpc.server import ServerOptions
+
+_s = functools.partial(spine_default, StackSection)  # the one default of a stack key
 ROLES = ("drafter", "verifier")  # what the controller starts and scales
 MEMBER_ROLES = (*ROLES, "gateway")  # gateways run outside and join
-NAMESPACE = "chainspec"
+NAMESPACE = StackSection.model_fields["namespace"].default
 CONTROLLER_NAME = "chainspec-controller"
 
 
@@ -31,37 +40,23 @@ class RoleConfig:
     (which declares none) still places everything.
     """
 
-    replicas: int = 1
-    num_gpus: float = 0.0  # > 0: the actor runs its model on "cuda"
-    num_cpus: float = 0.0
-    max_restarts: int = -1  # -1: Ray restarts a crashed actor forever
-    resource: str = ""  # "" -> chainspec_<role>
-    resource_amount: float = 0.001
-    port: int = 0  # gRPC port of each actor; 0 = any free port. A fixed port allows one
-    #                actor of the role per node (Kubernetes: one per pod, so probes work).
-    metrics_port: int | None = 0  # Prometheus endpoint of each actor, like `port`; null: off
-    tensor_parallel_size: int = 1  # ranks of one member (DESIGN 4.10; -tp)
+    replicas: int = spine_default(RoleSection, "replicas")
+    num_gpus: float = spine_default(RoleSection, "num_gpus")  # > 0: the model runs on cuda
+    num_cpus: float = spine_default(RoleSection, "num_cpus")
+    max_restarts: int = spine_default(RoleSection, "max_restarts")  # -1: forever
+    resource: str = spine_default(RoleSection, "resource")  # "" -> chainspec_<role>
+    resource_amount: float = spine_default(RoleSection, "resource_amount")
+    # gRPC port of each actor; 0 = any free port. A fixed port allows one actor of the
+    # role per node (Kubernetes: one per pod, so probes work).
+    port: int = spine_default(RoleSection, "port")
+    metrics_port: int | None = spine_default(RoleSection, "metrics_port")  # like port; null: off
+    tensor_parallel_size: int = spine_default(RoleSection, "tensor_parallel_size")  # 4.10
     # a member's TP step whose peer rank is dead or hung fails after this (the member then
     # restarts as a group)
-    collective_timeout_s: float = 60.0
+    collective_timeout_s: float = spine_default(RoleSection, "collective_timeout_s")
 
     def __post_init__(self) -> None:
-        if self.replicas < 0:
-            raise ValueError(f"replicas must be >= 0, got {self.replicas}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in [0, 65535] or null, "
-                             f"got {self.metrics_port}")
-        if self.num_gpus < 0 or self.num_cpus < 0 or self.resource_amount <= 0:
-            raise ValueError("num_gpus and num_cpus must be >= 0, resource_amount > 0")
-        if self.max_restarts < -1:
-            raise ValueError(f"max_restarts must be >= -1, got {self.max_restarts}")
-        if self.collective_timeout_s <= 0:
-            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, "
-                             f"got {self.tensor_parallel_size}")
+        _check(RoleSection, self, "config: role")  # types and bounds: the spine's
 
     @property
     def device(self) -> str:
@@ -83,17 +78,13 @@ class DrafterRoleConfig(RoleConfig):
     the minimum).
     """
 
-    replicas: int | None = None  # type: ignore[assignment]  # None: 1 remote, 0 local
-    mode: DrafterMode = DrafterMode.REMOTE
+    replicas: int | None = spine_default(DrafterRoleSection, "replicas")  # type: ignore[assignment]  # noqa: E501
+    mode: DrafterMode = DrafterMode(spine_default(DrafterRoleSection, "mode"))
     autoscale: AutoscalePolicy | None = None
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "mode", DrafterMode(self.mode))
-        except ValueError:
-            raise ValueError(f"drafter.mode must be one of "
-                             f"{', '.join(m.value for m in DrafterMode)}, got {self.mode!r}"
-                             ) from None
+        _check(DrafterRoleSection, self, "config: drafter")  # types and bounds: the spine's
+        object.__setattr__(self, "mode", DrafterMode(self.mode))
         if isinstance(self.autoscale, dict):
             object.__setattr__(self, "autoscale", AutoscalePolicy.from_dict(self.autoscale))
         policy = self.autoscale
@@ -112,7 +103,6 @@ class DrafterRoleConfig(RoleConfig):
         if self.local and self.tensor_parallel_size > 1:
             raise ValueError("drafter.tensor_parallel_size needs drafter.mode remote: in "
                              "local mode each verifier drafts in process at size 1")
-        super().__post_init__()
 
     @property
     def local(self) -> bool:
@@ -121,74 +111,70 @@ class DrafterRoleConfig(RoleConfig):
 
 @dataclass(frozen=True)
 class StackConfig:
-    model_dir: str = str(DEMO_MODEL)
-    num_steps: int = 3  # K
-    chain: bool = True
-    max_seqs: int = 8  # sequence slots per verifier
-    drafter_max_seqs: int = 64  # sequence slots per drafter (it serves every verifier)
-    max_len: int = 1024
-    dtype: str = "float32"
-    kv_cache_memory: int | None = None  # each verifier's paged KV bytes (default: slots')
-    kv_cache_fraction: float | None = None  # or a share of free device memory (CUDA)
-    kv_block_size: int = LocalOptions.kv_block_size  # positions per KV block (every engine)
-    draft_top_k: int = LocalOptions.draft_top_k  # support of sampled drafts (every engine)
-    use_graphs: bool = LocalOptions.use_graphs  # CUDA graphs on GPU members; False: eager
-    speculative_depth: str = LocalOptions.speculative_depth  # fixed K, or adaptive (4.11)
+    """The stack's runtime form, built from the spine (`spine/sections.py` StackSection:
+    every key's type, default, bounds and help; comments here say only how it is used).
+    Field names are the engine's; the file/flag names are the spine's (max_seqs is
+    max_num_seqs, max_len max_model_len, ...)."""
+
+    model_dir: str = _s("model")
+    num_steps: int = _s("num_speculative_tokens")  # K
+    chain: bool = _s("chain")
+    max_seqs: int = _s("max_num_seqs")  # sequence slots per verifier
+    drafter_max_seqs: int = _s("drafter_max_num_seqs")  # per drafter (serves every verifier)
+    max_len: int = _s("max_model_len")
+    dtype: str = _s("dtype")  # "auto": resolved per member by LocalOptions (its device)
+    kv_cache_memory: int | None = _s("kv_cache_memory_bytes")  # each verifier's KV bytes
+    kv_cache_fraction: float | None = _s("kv_cache_fraction")  # share of free device memory
+    gpu_memory_utilization: float | None = _s("gpu_memory_utilization")  # share of total
+    kv_block_size: int = _s("block_size")  # positions per KV block (every engine)
+    draft_top_k: int = _s("draft_top_k")  # support of sampled drafts (every engine)
+    use_graphs: bool = not _s("enforce_eager")  # CUDA graphs on GPU members; False: eager
+    speculative_depth: str = _s("speculative_depth")  # fixed K, or adaptive (4.11)
+    seed: int = _s("seed")  # members' draws for unseeded requests
+    enable_prefix_caching: bool = _s("enable_prefix_caching")  # verifiers share prefixes
     drafter: DrafterRoleConfig = field(default_factory=DrafterRoleConfig)
     verifier: RoleConfig = field(default_factory=RoleConfig)
-    host: str = "127.0.0.1"  # gRPC bind address; 0.0.0.0 advertises the node's IP
-    namespace: str = NAMESPACE
-    auth_token: str | None = None  # shared service-to-service token
+    host: str = _s("grpc_host")  # gRPC bind address; 0.0.0.0 advertises the node's IP
+    namespace: str = _s("namespace")
+    auth_token: str | None = _s("auth_token")  # shared service-to-service token
     # mTLS between services (paths as seen inside every actor): servers present the
     # server pair and require client certificates signed by tls_ca; clients (verifiers
     # calling drafters) present the client pair and check servers against tls_ca.
-    tls_ca: str | None = None
-    tls_server_cert: str | None = None
-    tls_server_key: str | None = None
-    tls_client_cert: str | None = None
-    tls_client_key: str | None = None
+    tls_ca: str | None = _s("tls_ca")
+    tls_server_cert: str | None = _s("tls_server_cert")
+    tls_server_key: str | None = _s("tls_server_key")
+    tls_client_cert: str | None = _s("tls_client_cert")
+    tls_client_key: str | None = _s("tls_client_key")
     # the name clients check server certificates against, instead of the host they dial:
     # members advertise pod/node IPs, which one shared certificate cannot list
-    tls_server_name: str | None = None
-    health_interval_s: float = 1.0
-    health_timeout_s: float = 5.0  # a member that does not answer a ping in time is dead
+    tls_server_name: str | None = _s("tls_server_name")
+    health_interval_s: float = _s("health_interval_s")
+    health_timeout_s: float = _s("health_timeout_s")  # silent to a ping this long: dead
     # a starting member cannot answer pings while it imports and loads; silent this long,
     # it is dead (hung, or re-adopted after a controller restart but gone quiet)
-    start_timeout_s: float = 300.0
-    drain_timeout_s: float = 30.0  # longest wait for a draining member's load to reach 0
-    draft_deadline_s: float = 0.05
-    max_waiting: int = 64
-    pipeline_groups: int = 1  # verifier groups taking turns (DESIGN 4.8); 1: off
-    draft_ahead: bool = False  # verifiers use drafters' look-ahead drafts on a hit (4.8)
+    start_timeout_s: float = _s("start_timeout_s")
+    drain_timeout_s: float = _s("drain_timeout_s")  # longest wait for a draining member
+    draft_deadline_s: float = _s("draft_deadline_s")
+    max_waiting: int = _s("max_waiting")
+    pipeline_groups: int = _s("pipeline_groups")  # verifier groups taking turns (4.8)
+    draft_ahead: bool = _s("draft_ahead")  # look-ahead drafts used on a hit (4.8)
     # verifiers' admission order (engine/admission.py): fcfs, or priority (lower first)
-    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
-    controller_metrics_port: int | None = 0  # the controller's /metrics (autoscaler); null: off
+    scheduling_policy: SchedulingPolicy = _s("scheduling_policy")
+    controller_metrics_port: int | None = _s("controller_metrics_port")  # null: off
 
     def __post_init__(self) -> None:
-        self.local_options("verifier")  # validates the model and KV fields
-        try:
-            object.__setattr__(self, "scheduling_policy",
-                               SchedulingPolicy(self.scheduling_policy))
-        except ValueError:
-            raise ValueError(f"scheduling_policy must be one of "
-                             f"{', '.join(p.value for p in SchedulingPolicy)}, "
-                             f"got {self.scheduling_policy!r}") from None
-        if min(self.num_steps, self.max_seqs, self.drafter_max_seqs,
-               self.pipeline_groups) < 1 or self.max_len < 2 * self.num_steps + 2:
-            raise ValueError("num_steps, max_seqs, drafter_max_seqs and pipeline_groups "
-                             "must be >= 1, max_len > 2K + 1")
+        from chainspec.engine.admission import SchedulingPolicy
+
         if not isinstance(self.drafter, DrafterRoleConfig):  # a plain RoleConfig: remote
             object.__setattr__(self, "drafter", DrafterRoleConfig(
                 **dataclasses.asdict(self.drafter)))
-        if min(self.health_interval_s, self.health_timeout_s, self.drain_timeout_s,
-               self.draft_deadline_s, self.start_timeout_s) <= 0:
-            raise ValueError("health, drain and draft timings must be > 0")
-        if self.controller_metrics_port is not None \
-                and not 0 <= self.controller_metrics_port < 65536:
-            raise ValueError(f"controller_metrics_port must be in [0, 65535] or null, "
-                             f"got {self.controller_metrics_port}")
-        if not self.namespace or not self.host:
-            raise ValueError("namespace and host must not be empty")
+        _check(StackSection, self, "config")  # types and bounds: the spine's
+        object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
+        self.local_options("verifier")  # validates the model and KV fields
+        if self.max_len < 2 * self.num_steps + 2:
+            raise ValueError(f"max_model_len {self.max_len} must exceed 2K + 1 = "
+                             f"{2 * self.num_steps + 1} (num_speculative_tokens K = "
+                             f"{self.num_steps})")
         tls = (self.tls_ca, self.tls_server_cert, self.tls_server_key, self.tls_client_cert,
                self.tls_client_key)
         if any(tls) and not all(tls):
@@ -197,6 +183,8 @@ class StackConfig:
 
     def server_options(self, role: str, drain_grace_s: float) -> ServerOptions:
         """How an actor of `role` serves gRPC."""
+        from chainspec.rpc.server import ServerOptions
+
         return ServerOptions(host=self.host, port=self.role(role).port,
                              metrics_port=self.role(role).metrics_port,
                              auth_token=self.auth_token, drain_grace_s=drain_grace_s,
@@ -206,6 +194,8 @@ class StackConfig:
 
     def client_options(self) -> ClientOptions:
         """How services call each other (verifier -> drafter, gateway -> verifier)."""
+        from chainspec.rpc.channel import ClientOptions
+
         return ClientOptions(auth_token=self.auth_token, tls_ca=_path(self.tls_ca),
                              tls_cert=_path(self.tls_client_cert),
                              tls_key=_path(self.tls_client_key),
@@ -222,32 +212,63 @@ class StackConfig:
     def local_options(self, role: str) -> LocalOptions:
         """The engine options of a `role` member (`engine/factory.py` builds from them): a
         drafter has drafter_max_seqs slots and a KV pool sized by them."""
+        from chainspec.engine.options import LocalOptions
+
         opts = LocalOptions(
             model_dir=Path(self.model_dir), num_steps=self.num_steps, chain=self.chain,
             max_seqs=self.max_seqs, max_len=self.max_len, dtype=self.dtype,
             device=self.role(role).device, kv_cache_memory=self.kv_cache_memory,
-            kv_cache_fraction=self.kv_cache_fraction, kv_block_size=self.kv_block_size,
-            draft_top_k=self.draft_top_k, use_graphs=self.use_graphs,
-            speculative_depth=self.speculative_depth,
+            kv_cache_fraction=self.kv_cache_fraction,
+            gpu_memory_utilization=None if role == "drafter" else self.gpu_memory_utilization,
+            kv_block_size=self.kv_block_size, draft_top_k=self.draft_top_k,
+            use_graphs=self.use_graphs, speculative_depth=self.speculative_depth,
+            seed=self.seed, enable_prefix_caching=self.enable_prefix_caching,
             tensor_parallel_size=self.role(role).tensor_parallel_size,
             collective_timeout_s=self.role(role).collective_timeout_s)
         return opts.for_drafter(self.drafter_max_seqs) if role == "drafter" else opts
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["drafter"]["mode"] = str(self.drafter.mode)  # plain JSON/YAML
-        out["scheduling_policy"] = str(self.scheduling_policy)
-        return out
+        """The file form (the spine's keys: `from_dict` reads it back without warnings)."""
+        return file_form(StackSection, _plain(dataclasses.asdict(self)))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StackConfig:
-        """From parsed JSON/YAML; unknown keys are an error naming them."""
-        check_mapping(data, "config", cls=cls)  # NOTE: before dict(), which takes lists
-        data = dict(data)
-        for role, role_cls in (("drafter", DrafterRoleConfig), ("verifier", RoleConfig)):
-            if role in data:
-                data[role] = build_strict(role_cls, data[role], role)
-        return build_strict(cls, data, "config")
+    def from_dict(cls, data: Any, where: str = "config",
+                  flags: dict[str, str] | None = None) -> StackConfig:
+        """From parsed JSON/YAML (the spine's keys; old names warn): every problem one
+        ValueError line naming the key and `where` (or the flag in `flags` that set it)."""
+        if isinstance(data, dict):
+            data = speculative(data, where, flags)
+        return of_section(validate(StackSection, data, where, flags), where)
+
+
+def of_section(section: StackSection, where: str) -> StackConfig:
+    """The runtime form of a validated section; cross-key checks name `where`."""
+    fields = runtime_fields(section)
+    del fields["speculative_config"]
+    drafter, verifier = fields.pop("drafter"), fields.pop("verifier")
+    try:
+        return StackConfig(drafter=DrafterRoleConfig(**drafter),
+                           verifier=RoleConfig(**verifier), **fields)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _check(section, obj, where: str) -> None:
+    """A runtime config's types and bounds, by the spine (also when built directly)."""
+    validate(section, file_form(section, _plain(dataclasses.asdict(obj))), where)
+
+
+def _plain(value: Any) -> Any:
+    """Enums as their values, Paths as strings, tuples as lists (the file form)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    return str(value) if isinstance(value, Path) else value
 
 
 def _path(value: str | None) -> Path | None:

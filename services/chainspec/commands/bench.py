@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from chainspec.bench import BenchOptions, format_report, run_bench
 from chainspec.commands import bench_serve
 from chainspec.commands.help_format import DefaultsHelpFormatter
 from chainspec.commands.model_args import TP_KEYS, add_model_args, local_options
@@ -31,6 +30,8 @@ def add_parser(sub) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "bench_mode", None) == "serve":
         return bench_serve.run(args)
+    from chainspec.bench import BenchOptions, format_report, run_bench
+
     report = run_bench(local_options(args), BenchOptions(args.prompts, args.batch_size,
                                                          args.max_tokens, args.repeats))
     print(json.dumps(report) if args.json else format_report(report))

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from chainspec.engine.local import DEMO_MODEL
+from chainspec.spine.sections import DEMO_MODEL
 
 DATASETS = ("heldout", "random", "jsonl")
 

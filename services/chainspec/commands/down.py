@@ -7,7 +7,6 @@ import argparse
 import json
 import sys
 
-from chainspec.cluster import stack
 from chainspec.commands.stack_args import add_connect_args, namespace
 
 
@@ -18,6 +17,8 @@ def add_parser(sub) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from chainspec.cluster import stack  # NOTE: Ray loads here, not for --help
+
     if args.dry_run:
         print(json.dumps({"command": "down", "address": args.address,
                           "namespace": namespace(args)}, indent=2))

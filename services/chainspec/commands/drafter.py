@@ -14,6 +14,7 @@ import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chainspec.commands.model_args import (
     DRAFTER_ALIASES,
@@ -24,13 +25,13 @@ from chainspec.commands.model_args import (
 from chainspec.commands.server_args import add_server_args, jsonable, server_options
 from chainspec.commands.signals import serve_until_signal
 from chainspec.commands.stack_flags import flags_config
-from chainspec.engine.drafter import DrafterConfig
-from chainspec.engine.factory import drafter_config, load_drafter
-from chainspec.engine.options import LocalOptions
-from chainspec.metrics.drafter import DrafterMetrics
 from chainspec.models.hub import served_name
-from chainspec.rpc.drafter_service import serve_drafter
-from chainspec.rpc.server import ServerOptions
+
+if TYPE_CHECKING:  # NOTE: torch and grpc load in resolve/run, not to build the parser
+    from chainspec.engine.drafter import DrafterConfig
+    from chainspec.engine.options import LocalOptions
+    from chainspec.metrics.drafter import DrafterMetrics
+    from chainspec.rpc.server import ServerOptions
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,14 @@ def add_parser(sub) -> list[str]:
 
 def resolve(args: argparse.Namespace) -> DrafterCommand:
     """Validate the arguments into config objects (ValueError names the problem)."""
+    from chainspec.engine.factory import drafter_config
+
     config = flags_config(args)
     # NOTE: in a stack the KV flags size the verifiers' pools; alone, they size this one
     local = dataclasses.replace(local_options(args, "drafter"),
                                 kv_cache_memory=config.kv_cache_memory,
-                                kv_cache_fraction=config.kv_cache_fraction)
+                                kv_cache_fraction=config.kv_cache_fraction,
+                                gpu_memory_utilization=config.gpu_memory_utilization)
     if local.tensor_parallel_size > 1:  # -tp: refused before anything loads
         from chainspec.engine.tp_launch import check_model
         check_model(local.model_dir, local.tensor_parallel_size, draft=True)
@@ -79,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(json.dumps(cmd.describe(), indent=2))
         return 0
+    from chainspec.engine.factory import load_drafter
+    from chainspec.metrics.drafter import DrafterMetrics
+
     metrics = DrafterMetrics(cmd.model_name, cmd.drafter.num_steps) \
         if cmd.server.metrics_port is not None else None
     engine = load_drafter(cmd.local, observer=metrics)
@@ -86,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(engine, cmd: DrafterCommand, metrics: DrafterMetrics | None) -> int:
+    from chainspec.rpc.drafter_service import serve_drafter
+
     running = await serve_drafter(engine, cmd.server, cmd.model_name, metrics=metrics)
     print(f"drafter serving {running.address}", flush=True)
     if metrics is not None:

@@ -13,7 +13,6 @@ import os
 import sys
 from typing import Any
 
-from chainspec.cluster import stack
 from chainspec.cluster.config import ROLES
 from chainspec.commands.stack_args import add_connect_args, namespace, print_members
 
@@ -33,6 +32,8 @@ def add_parser(sub) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from chainspec.cluster import stack  # NOTE: Ray loads here, not for --help
+
     if bool(args.members) == args.this_node:
         raise ValueError("name the members to drain, or give --self (not both)")
     if args.dry_run:

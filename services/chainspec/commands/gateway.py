@@ -15,14 +15,18 @@ import json
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from chainspec.cluster.config import NAMESPACE
-from chainspec.commands.serve import add_trust_flag, read_api_key
+from chainspec.commands.serve import add_gateway_flags, read_api_key
 from chainspec.commands.server_args import add_token_args, read_token
 from chainspec.commands.signals import until_stopped
-from chainspec.gateway.config import GatewayConfig
-from chainspec.gateway.membership import StaticVerifiers
-from chainspec.serving.config import mask_secrets
+from chainspec.commands.stack_flags import GATEWAY_FLAGS, flag_names, stack_overrides
+from chainspec.spine.sections import StackSection
+
+if TYPE_CHECKING:
+    from chainspec.gateway.config import GatewayConfig
+
+NAMESPACE = StackSection.model_fields["namespace"].default
 
 
 def add_parser(sub) -> list[str]:
@@ -34,13 +38,7 @@ def add_parser(sub) -> list[str]:
     source.add_argument("--address", help="Ray address of a running stack")
     p.add_argument("--namespace", default=NAMESPACE, help="Ray namespace of the stack")
     p.add_argument("--model", type=Path, help="model directory, for its chat template")
-    p.add_argument("--host", default=GatewayConfig.host)
-    p.add_argument("--port", type=int, default=GatewayConfig.port)
-    p.add_argument("--model-name", default="", help="model name clients send")
-    p.add_argument("--max-in-flight", type=int, default=GatewayConfig.max_in_flight)
-    p.add_argument("--max-n", type=int, default=GatewayConfig.max_n,
-                   help="most choices (n) per request; more is a 400")
-    add_trust_flag(p)
+    add_gateway_flags(p)  # --host, --port, --served-model-name, --chat-template, ...
     p.add_argument("--api-key-file", type=Path, help="require this API key "
                                                      "(default: $CHAINSPEC_API_KEY when set)")
     add_token_args(p)
@@ -55,13 +53,21 @@ def add_parser(sub) -> list[str]:
 
 
 def resolve(args: argparse.Namespace) -> GatewayConfig:
-    return GatewayConfig(host=args.host, port=args.port, api_key=read_api_key(args),
-                         max_n=args.max_n,
-                         model_name=args.model_name, max_in_flight=args.max_in_flight,
-                         trust_request_chat_template=bool(args.trust_request_chat_template))
+    """The gateway flags over the spine's defaults (ValueError names the flag)."""
+    from chainspec.gateway.config import GatewayConfig
+
+    given = stack_overrides(args, GATEWAY_FLAGS).get("gateway", {})
+    api_key = read_api_key(args)
+    if api_key:
+        given["api_key"] = api_key
+    named = {k.removeprefix("gateway."): v for k, v in flag_names(args).items()}
+    return GatewayConfig.from_dict(given, "flags", named)
 
 
 def run(args: argparse.Namespace) -> int:
+    from chainspec.gateway.membership import StaticVerifiers
+    from chainspec.serving.config import mask_secrets
+
     config = resolve(args)
     source = StaticVerifiers(args.verifier) if args.verifier else None
     if args.dry_run:
@@ -78,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from chainspec.rpc.channel import ClientOptions
     from chainspec.serving.runner import LoopThread
 
+    chat = ChatTemplate.from_model_dir(args.model, config.chat_template)  # NOTE: fails first
     lost = threading.Event()
     token = read_token(args)
     if source is None:
@@ -87,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"chainspec gateway: {e}", file=sys.stderr)
             return 1
     loop = LoopThread()
-    server = loop.run(GatewayServer.start(config, source, ChatTemplate.from_model_dir(args.model),
+    server = loop.run(GatewayServer.start(config, source, chat,
                                           ClientOptions(auth_token=token,
                                                         tls_ca=args.tls_ca,
                                                         tls_cert=args.tls_cert,

@@ -5,11 +5,6 @@ from __future__ import annotations
 import argparse
 
 from chainspec.commands.model_args import TP_KEYS, add_model_args, local_options
-from chainspec.engine.local import build_verifier, load_models
-from chainspec.engine.request import StopConditions
-from chainspec.engine.runner import merged_stats, run_to_completion
-from chainspec.engine.sampling import SamplingParams
-from chainspec.models.tokenizer import Tokenizer
 
 
 def add_parser(sub) -> list[str]:
@@ -23,15 +18,23 @@ def add_parser(sub) -> list[str]:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--request-seed", type=int, default=None,
+                   help="the requests' own seed (default: none; --seed seeds the engine's "
+                        "draws for unseeded requests)")
     p.add_argument("--ignore-eos", action="store_true")
     return ["generate"]
 
 
 def run(args: argparse.Namespace) -> int:
+    from chainspec.engine.local import build_verifier, load_models
+    from chainspec.engine.request import StopConditions
+    from chainspec.engine.runner import merged_stats, run_to_completion
+    from chainspec.engine.sampling import SamplingParams
+    from chainspec.models.tokenizer import Tokenizer
+
     local = local_options(args)
     tok = Tokenizer.from_dir(local.model_dir)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.request_seed)
     stop = StopConditions(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     models = load_models(local, speculative=args.spec)
     engine = build_verifier(models, local, args.spec, tok.eos_token_ids, tok.decode)

@@ -19,14 +19,13 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from typing import TYPE_CHECKING
 
 from chainspec.commands.server_args import add_token_args, jsonable, read_token
-from chainspec.rpc.channel import ClientOptions, make_channel
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
+if TYPE_CHECKING:  # NOTE: grpc loads in run, not to build the parser
+    from chainspec.rpc.channel import ClientOptions
+
 DEFAULT_TIMEOUT_S = 3.0
 
 
@@ -72,6 +71,8 @@ def resolve(args: argparse.Namespace) -> HealthCommand:
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")
     if args.tls_server_name and args.tls_ca is None:
         raise ValueError("--tls-server-name needs TLS: set --tls-ca")
+    from chainspec.rpc.channel import ClientOptions
+
     client = ClientOptions(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                            tls_server_name=args.tls_server_name, auth_token=read_token(args))
     return HealthCommand(args.address, args.service, args.timeout, client)
@@ -79,6 +80,11 @@ def resolve(args: argparse.Namespace) -> HealthCommand:
 
 def check(cmd: HealthCommand) -> str | None:
     """None when the service is SERVING, else why not (one line)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from chainspec.rpc.channel import make_channel
+
     channel = make_channel(cmd.address, cmd.client)
     try:
         with _quiet_grpc_core():
@@ -91,7 +97,7 @@ def check(cmd: HealthCommand) -> str | None:
         return f"unreachable: {e.code().name}: {details}"
     finally:
         channel.close()
-    if reply.status != SERVING:
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     return None
 

@@ -23,13 +23,19 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
 def shows_default(action: argparse.Action, formatter: argparse.HelpFormatter) -> bool:
     """Whether `--help` tells this option's default (tests hold every tool to it)."""
     if not action.option_strings or action.required or action.nargs == 0 \
-            or action.default is argparse.SUPPRESS:
+            or argparse.SUPPRESS in (action.default, action.help):
         return True
     return "default" in formatter._get_help_string(action)  # noqa: SLF001
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse's errors as one line, `prog: error: message (see prog --help)`, exit 2."""
+    """argparse's errors as one line, `prog: error: message (see prog --help)`, exit 2.
+    No prefix matching (`allow_abbrev=False`): `--api-key sk-x` is never read as
+    `--api-key-file`; its subparsers inherit the class, so the rule."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -8,28 +8,33 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from chainspec.commands.hub_args import add_hub_args, local_model
 from chainspec.commands.stack_flags import add_flags, flags_config
-from chainspec.engine.options import LocalOptions
 
-# the stack flags of one engine (StackConfig keys); a service command adds its own
-ENGINE_KEYS = ("model_dir", "num_steps", "chain", "max_seqs", "max_len", "dtype",
-               "kv_cache_memory", "kv_cache_fraction", "kv_block_size", "draft_top_k",
-               "use_graphs")
+if TYPE_CHECKING:
+    from chainspec.engine.options import LocalOptions
+
+# the stack flags of one engine (spine keys); a service command adds its own
+ENGINE_KEYS = ("model", "num_speculative_tokens", "chain", "speculative_config",
+               "max_num_seqs", "max_model_len", "dtype", "kv_cache_memory_bytes",
+               "kv_cache_fraction", "gpu_memory_utilization", "block_size", "draft_top_k",
+               "enforce_eager", "enable_prefix_caching", "seed")
 TP_KEYS = (*ENGINE_KEYS, "verifier.tensor_parallel_size", "speculative_depth")  # generate, bench
-DRAFTER_KEYS = (*(k for k in ENGINE_KEYS if k != "max_seqs"), "drafter_max_seqs", "host",
-                "drafter.tensor_parallel_size")
-VERIFIER_KEYS = (*ENGINE_KEYS, "host", "max_waiting", "draft_deadline_s", "pipeline_groups",
-                 "draft_ahead", "scheduling_policy", "drafter.mode", "speculative_depth")
+DRAFTER_KEYS = (*(k for k in ENGINE_KEYS if k != "max_num_seqs"), "drafter_max_num_seqs",
+                "grpc_host", "drafter.tensor_parallel_size")
+VERIFIER_KEYS = (*ENGINE_KEYS, "grpc_host", "max_waiting", "draft_deadline_s",
+                 "pipeline_groups", "draft_ahead", "scheduling_policy", "drafter.mode",
+                 "speculative_depth")
 # names the service commands had before the table (kept working): a lone drafter's
-# --max-seqs is its own slots (--drafter-max-seqs of a stack), --host the gRPC address;
-# -tp its own ranks (vLLM's flag; --drafter-tensor-parallel-size of a stack)
-DRAFTER_ALIASES = {"drafter_max_seqs": ("--max-seqs",), "host": ("--host",),
+# --max-seqs/--max-num-seqs is its own slots (--drafter-max-num-seqs of a stack), --host
+# the gRPC address; -tp its own ranks (vLLM's flag; --drafter-tensor-parallel-size of a
+# stack)
+DRAFTER_ALIASES = {"drafter_max_num_seqs": ("--max-num-seqs", "--max-seqs"),
+                   "grpc_host": ("--host",),
                    "drafter.tensor_parallel_size": ("-tp", "--tensor-parallel-size")}
-VERIFIER_ALIASES = {"host": ("--host",)}
+VERIFIER_ALIASES = {"grpc_host": ("--host",)}
 
 
 def add_model_args(p: argparse.ArgumentParser, keys: Sequence[str] = ENGINE_KEYS,
@@ -43,8 +48,12 @@ def add_model_args(p: argparse.ArgumentParser, keys: Sequence[str] = ENGINE_KEYS
 
 
 def local_options(args: argparse.Namespace, role: str = "verifier") -> LocalOptions:
-    """The engine options of the `role` engine this command runs, on --device."""
+    """The engine options of the `role` engine this command runs, on --device (its
+    dtype resolved for that device: `auto` is the checkpoint's on a GPU)."""
     if getattr(args, "threads", 0) and not getattr(args, "dry_run", False):
+        import torch
+
         torch.set_num_threads(args.threads)
     config = local_model(flags_config(args), args)  # a Hub id: its local snapshot
-    return dataclasses.replace(config.local_options(role), device=args.device)
+    return dataclasses.replace(config.local_options(role), device=args.device,
+                               dtype=config.dtype)

@@ -8,7 +8,6 @@ import argparse
 import json
 import sys
 
-from chainspec.cluster import stack
 from chainspec.commands.stack_args import add_connect_args, autoscale_line, namespace, print_members
 from chainspec.commands.stack_flags import drafter_count
 
@@ -30,6 +29,8 @@ def add_parser(sub) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from chainspec.cluster import stack  # NOTE: Ray loads here, not for --help
+
     if not isinstance(args.replicas, int):
         return _autoscale(args, *args.replicas)
     if args.replicas < 0:
@@ -50,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _autoscale(args: argparse.Namespace, low: int, high: int) -> int:
+    from chainspec.cluster import stack  # NOTE: Ray loads here, not for --help
+
     if ROLES[args.role] != "drafter":
         raise ValueError("only drafters autoscale; give verifiers a count")
     policy = {"min_drafters": low, "max_drafters": high}  # other fields: the stack's

@@ -22,75 +22,71 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chainspec.commands.help_format import DefaultsHelpFormatter
 from chainspec.commands.hub_args import add_hub_args, local_model
 from chainspec.commands.signals import until_stopped
-from chainspec.commands.stack_flags import add_stack_args, file_with_flags
-from chainspec.gateway.config import GatewayConfig
-from chainspec.serving.config import ServeConfig
-from chainspec.serving.ports import check_ports
+from chainspec.commands.stack_flags import (
+    GATEWAY_FLAGS,
+    add_flags,
+    add_model_positional,
+    add_stack_args,
+    file_with_flags,
+    flag_names,
+    stack_overrides,
+    where,
+)
+
+if TYPE_CHECKING:
+    from chainspec.serving.config import ServeConfig
 
 API_KEY_ENV = "CHAINSPEC_API_KEY"
-
-# flag -> gateway key (the stack flags are commands/stack_flags.py's)
-_GATEWAY_FLAGS = {"host": "host", "port": "port", "model_name": "model_name", "max_n": "max_n",
-                  "max_in_flight": "max_in_flight",
-                  "trust_request_chat_template": "trust_request_chat_template"}
 
 
 def add_parser(sub) -> list[str]:
     p = sub.add_parser("serve", help="the whole stack with the OpenAI-compatible HTTP API",
                        description=__doc__, formatter_class=DefaultsHelpFormatter)
+    add_model_positional(p)
     add_stack_args(p)
     add_hub_args(p)
     p.add_argument("--address", help="join the Ray cluster at this address "
                                      "(default: an embedded local Ray)")
-    p.add_argument("--host", help="HTTP address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="HTTP port (default 8000; 0: any free port)")
-    p.add_argument("--model-name", help="model name clients send (default: the directory's)")
-    p.add_argument("--max-n", type=int, help="most choices (n) per request, more is a 400 "
-                                             "(default 16)")
-    p.add_argument("--max-in-flight", type=int, help=f"requests in flight, then 429 "
-                                                      f"(default: {GatewayConfig.max_in_flight})")
-    add_trust_flag(p)
+    add_gateway_flags(p)
     p.add_argument("--api-key-file", type=Path,
                    help=f"require this API key (default: ${API_KEY_ENV} when set)")
-    p.add_argument("--timeout", type=float, help=f"seconds to wait for the stack to be ready "
-                                                  f"(default: {ServeConfig.start_timeout_s:g})")
+    p.add_argument("--timeout", type=float, help="seconds to wait for the stack to be ready "
+                                                  "(the file's start_timeout_s; default 300)")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the config, print it resolved (secrets masked), start nothing")
     return ["serve"]
 
 
-def add_trust_flag(p: argparse.ArgumentParser) -> None:
-    """`--trust-request-chat-template` (vLLM's flag), for every command with a gateway;
-    unset (None) leaves a config file's value."""
-    p.add_argument("--trust-request-chat-template", action="store_true", default=None,
-                   help="honour a request's own chat_template (default: refused with a "
-                        "400; every template runs sandboxed, time- and size-limited)")
+def add_gateway_flags(p: argparse.ArgumentParser) -> None:
+    """The gateway's rows (`commands/stack_flags.py` GATEWAY_FLAGS: --host, --port,
+    --served-model-name, --chat-template, ...), for every command with a gateway; unset
+    (None) leaves a config file's value, else the spine's default."""
+    add_flags(p, rows=GATEWAY_FLAGS)
 
 
 def resolve(args: argparse.Namespace) -> ServeConfig:
     """The config file with the flags on top, validated (ValueError names the problem)."""
-    return ServeConfig.from_dict(file_with_flags(args, _serve_overrides(args)))
+    from chainspec.serving.config import ServeConfig
+
+    return ServeConfig.from_dict(file_with_flags(args, _serve_overrides(args)), where(args),
+                                 flag_names(args))
 
 
 def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """What `serve` adds to the stack flags: where Ray is, the wait, the gateway."""
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = stack_overrides(args, GATEWAY_FLAGS)
     if args.address is not None:
         out["address"] = args.address
     if args.timeout is not None:
         out["start_timeout_s"] = args.timeout
-    gateway = {key: getattr(args, flag) for flag, key in _GATEWAY_FLAGS.items()
-               if getattr(args, flag) is not None}
     api_key = read_api_key(args)
     if api_key:
-        gateway["api_key"] = api_key
-    if gateway:
-        out["gateway"] = gateway
+        out.setdefault("gateway", {})["api_key"] = api_key
     return out
 
 
@@ -113,9 +109,14 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, stack=plain)
         print(f"chainspec serve: warning: {warning}", file=sys.stderr, flush=True)
     check_stack_model(config.stack, must_exist=config.address is None)  # before Ray
+    if config.gateway.chat_template:  # a missing file or broken template: before Ray too
+        from chainspec.gateway.chat_template import ChatTemplate
+        ChatTemplate.from_model_dir(None, config.gateway.chat_template)
     if args.dry_run:
         print(json.dumps({"command": "serve", "config": config.describe()}, indent=2))
         return 0
+    from chainspec.serving.ports import check_ports
+
     check_ports(config, embedded=config.address is None)  # before Ray: a busy port is exit 2
     from chainspec.cluster import stack
     from chainspec.serving.progress import Progress

@@ -9,10 +9,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from chainspec.rpc.server import ServerOptions
-
 if TYPE_CHECKING:
     from chainspec.cluster.config import StackConfig
+    from chainspec.rpc.server import ServerOptions
 
 TOKEN_ENV = "CHAINSPEC_AUTH_TOKEN"  # read when set and neither token flag is given
 
@@ -27,10 +26,13 @@ def add_token_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=ServerOptions.port, help="0: any free port")
-    p.add_argument("--max-message-bytes", type=int, default=ServerOptions.max_message_bytes)
-    p.add_argument("--drain-grace", type=float, default=ServerOptions.drain_grace_s,
-                   help="seconds calls in flight get to finish when draining")
+    # NOTE: None -> ServerOptions' defaults (read there, so no parser imports grpc)
+    p.add_argument("--port", type=int, help="0: any free port (default: 0)")
+    p.add_argument("--max-message-bytes", type=int,
+                   help="largest gRPC message (default: the server's, 64 MiB)")
+    p.add_argument("--drain-grace", type=float,
+                   help="seconds calls in flight get to finish when draining (default: "
+                        "the server's, 10 s)")
     p.add_argument("--tls-cert", type=Path, help="server certificate (PEM)")
     p.add_argument("--tls-key", type=Path, help="server private key (PEM)")
     p.add_argument("--tls-client-ca", type=Path,
@@ -43,12 +45,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 def server_options(args: argparse.Namespace, config: StackConfig) -> ServerOptions:
     """This service's server: host and token as resolved into `config` (the stack flags'
     `flags_config`), the rest from the flags above."""
-    return ServerOptions(host=config.host, port=args.port,
-                         max_message_bytes=args.max_message_bytes,
-                         tls_cert=args.tls_cert, tls_key=args.tls_key,
+    from chainspec.rpc.server import ServerOptions
+
+    given = {k: v for k, v in (("port", args.port), ("max_message_bytes",
+                                                      args.max_message_bytes),
+                               ("drain_grace_s", args.drain_grace)) if v is not None}
+    return ServerOptions(host=config.host, tls_cert=args.tls_cert, tls_key=args.tls_key,
                          tls_client_ca=args.tls_client_ca, auth_token=config.auth_token,
-                         drain_grace_s=args.drain_grace,
-                         metrics_port=None if args.metrics_port < 0 else args.metrics_port)
+                         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                         **given)
 
 
 def read_token(args: argparse.Namespace) -> str | None:

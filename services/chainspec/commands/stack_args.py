@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from chainspec.cluster.config import NAMESPACE, StackConfig
 from chainspec.commands.server_args import jsonable
-from chainspec.commands.stack_flags import file_with_flags
+from chainspec.commands.stack_flags import file_with_flags, flag_names, where
+from chainspec.spine.sections import StackSection
+
+if TYPE_CHECKING:
+    from chainspec.cluster.config import StackConfig
+
+NAMESPACE = StackSection.model_fields["namespace"].default
 
 
 def add_connect_args(p: argparse.ArgumentParser) -> None:
@@ -23,8 +28,11 @@ def add_connect_args(p: argparse.ArgumentParser) -> None:
 
 
 def stack_config(args: argparse.Namespace) -> StackConfig:
-    """The --config file (if any) with the stack flags on top, validated (`up`)."""
-    return StackConfig.from_dict(file_with_flags(args))
+    """The --config file (if any) with the stack flags on top, validated (`up`): every
+    problem one line naming the key and the file, or the flag that set it."""
+    from chainspec.cluster.config import StackConfig
+
+    return StackConfig.from_dict(file_with_flags(args), where(args), flag_names(args))
 
 
 def namespace(args: argparse.Namespace) -> str:

@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 
-from chainspec.cluster import stack
 from chainspec.commands.stack_args import add_connect_args, namespace, print_members
 
 
@@ -22,6 +21,8 @@ def add_parser(sub) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from chainspec.cluster import stack  # NOTE: Ray loads here, not for --help
+
     if args.dry_run:
         print(json.dumps({"command": "status", "address": args.address,
                           "namespace": namespace(args)}, indent=2))

@@ -6,15 +6,19 @@ import argparse
 import shlex
 import sys
 
-from chainspec.training import trainer
-
 
 def add_parser(sub) -> list[str]:
-    p = sub.add_parser("train-demo", help="train the bundled demo model",
-                       description=trainer.DESCRIPTION)
-    trainer.add_arguments(p)
+    # NOTE: the trainer's own parser reads the arguments (in `run`): building it imports
+    # torch, which no other command's --help should wait for. "+" as the prefix makes
+    # every argument, --help included, the trainer's.
+    p = sub.add_parser("train-demo", help="train the bundled demo model", add_help=False,
+                       prefix_chars="+")
+    p.add_argument("trainer_args", nargs=argparse.REMAINDER)
     return ["train-demo"]
 
 
 def run(args: argparse.Namespace) -> int:
-    return trainer.run(args, "chainspec " + shlex.join(sys.argv[1:]))
+    from chainspec.training import trainer
+
+    parsed = trainer.build_parser().parse_args(args.trainer_args)
+    return trainer.run(parsed, "chainspec " + shlex.join(sys.argv[1:]))

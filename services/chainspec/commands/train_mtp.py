@@ -8,8 +8,6 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
 from chainspec.commands.help_format import DefaultsHelpFormatter
 from chainspec.training.mtp_recipe import MTPRecipe, RunSettings
 from chainspec.training.recipe import EvalSettings, StageSchedule
@@ -96,6 +94,8 @@ def job_of(args: argparse.Namespace, command: str):
                        args.continue_tokens, args.seed)
     e = EvalSettings(args.eval_windows, max(1, args.eval_windows // 4), args.eval_prompts,
                      args.eval_prompt_len, args.eval_new_tokens)
+    import torch
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = device.startswith("cuda") if args.bf16 is None else args.bf16
     settings = RunSettings(e, args.log_every, args.checkpoint_every, device=device,
@@ -107,6 +107,8 @@ def job_of(args: argparse.Namespace, command: str):
 def run(args: argparse.Namespace) -> int:
     """Checks every argument (`job_of`, then `train_mtp`'s `mtp_checks`) before it loads
     anything; a bad one is a ValueError: one line, exit 2."""
+    import torch
+
     from chainspec.training.train_mtp import train_mtp
 
     job = job_of(args, "chainspec " + shlex.join(sys.argv[1:]))

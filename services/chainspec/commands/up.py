@@ -18,27 +18,30 @@ import signal
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from chainspec.cluster import stack
-from chainspec.cluster.config import StackConfig
-from chainspec.cluster.controller import START_TIMEOUT_S
-from chainspec.cluster.plain_target import check_stack_model, serve_plainly
 from chainspec.commands.hub_args import add_hub_args, local_model
 from chainspec.commands.server_args import jsonable
 from chainspec.commands.signals import until_stopped
 from chainspec.commands.stack_args import print_members, stack_config
-from chainspec.commands.stack_flags import add_stack_args
+from chainspec.commands.stack_flags import add_model_positional, add_stack_args
+from chainspec.spine.sections import StackSection
+
+if TYPE_CHECKING:  # NOTE: Ray loads in run, not to build the parser
+    from chainspec.cluster.config import StackConfig
 
 
 def add_parser(sub) -> list[str]:
     p = sub.add_parser("up", help="start drafters and verifiers as Ray actors",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_stack_args(p, aliases={"host": ("--host",)})  # serve's --host is the HTTP one
+    add_model_positional(p)
+    add_stack_args(p, aliases={"grpc_host": ("--host",)})  # serve's --host is the HTTP one
     add_hub_args(p)
     p.add_argument("--address", default=None,
                    help="join the Ray cluster at this address (default: embedded local Ray)")
     p.add_argument("--detach", action="store_true", help="return once the stack is ready")
-    p.add_argument("--timeout", type=float, default=START_TIMEOUT_S,
+    p.add_argument("--timeout", type=float,
+                   default=StackSection.model_fields["start_timeout_s"].default,
                    help="seconds to wait for every member to serve")
     p.add_argument("--json", action="store_true", help="print the members as JSON")
     p.add_argument("--dry-run", action="store_true",
@@ -47,6 +50,9 @@ def add_parser(sub) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from chainspec.cluster import stack
+    from chainspec.cluster.plain_target import check_stack_model, serve_plainly
+
     config, warning = serve_plainly(local_model(stack_config(args), args))  # a Hub id
     if warning:
         print(f"chainspec up: warning: {warning}", file=sys.stderr, flush=True)
@@ -70,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _down(namespace: str) -> None:
+    from chainspec.cluster import stack
+
     try:
         stack.down(namespace=namespace)
     except stack.StackNotFound:
@@ -79,6 +87,8 @@ def _down(namespace: str) -> None:
 
 def _up_in_background(config: StackConfig, timeout_s: float, as_json: bool) -> int:
     """Run `chainspec up` (foreground) in its own session; return once it is ready."""
+    from chainspec.cluster import stack
+
     stack.check_no_local_owner(config.namespace)
     base = stack.state_path(config.namespace)
     base.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ import asyncio
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chainspec.commands.model_args import (
     VERIFIER_ALIASES,
@@ -24,10 +25,11 @@ from chainspec.commands.server_args import add_server_args, jsonable, server_opt
 from chainspec.commands.signals import StopSignal, serve_until_signal
 from chainspec.commands.stack_flags import flags_config
 from chainspec.engine.options import DrafterMode
-from chainspec.metrics.verifier import VerifierMetrics
-from chainspec.rpc.channel import ClientOptions
-from chainspec.rpc.server import ServerOptions
-from chainspec.rpc.verifier_service import VerifierOptions, serve_verifier
+
+if TYPE_CHECKING:  # NOTE: torch and grpc load in resolve/run, not to build the parser
+    from chainspec.rpc.channel import ClientOptions
+    from chainspec.rpc.server import ServerOptions
+    from chainspec.rpc.verifier_service import VerifierOptions
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ def add_parser(sub) -> list[str]:
     p.add_argument("--model-name", default="",
                    help="name reported by Info (default: the model directory's name)")
     p.add_argument("--default-max-tokens", type=int,
-                   default=VerifierOptions.default_max_tokens)
+                   help="max_tokens of a request that sets none (default: the verifier's, "
+                        "256)")
     add_server_args(p)
     p.add_argument("--drafter-tls-ca", type=Path, help="CA that signed the drafters' certificates")
     p.add_argument("--drafter-tls-cert", type=Path, help="client certificate for drafters (mTLS)")
@@ -65,6 +68,9 @@ def add_parser(sub) -> list[str]:
 
 def resolve(args: argparse.Namespace) -> VerifierCommand:
     """Validate the arguments into config objects (ValueError names the problem)."""
+    from chainspec.rpc.channel import ClientOptions
+    from chainspec.rpc.verifier_service import VerifierOptions
+
     for ep in args.drafter:
         host, _, port = ep.rpartition(":")
         if not host or not port.isdigit():
@@ -72,13 +78,14 @@ def resolve(args: argparse.Namespace) -> VerifierCommand:
     config = flags_config(args)
     if args.drafter and config.drafter.mode is DrafterMode.LOCAL:
         raise ValueError("--drafter-mode local drafts in this process: it takes no --drafter")
+    given = {} if args.default_max_tokens is None else \
+        {"default_max_tokens": args.default_max_tokens}
     verifier = VerifierOptions.of_stack(config, model=local_options(args, "verifier"),
-                                        model_name=args.model_name,
-                                        default_max_tokens=args.default_max_tokens)
+                                        model_name=args.model_name, **given)
     server = server_options(args, config)
     client = ClientOptions(tls_ca=args.drafter_tls_ca, tls_cert=args.drafter_tls_cert,
                            tls_key=args.drafter_tls_key, auth_token=server.auth_token,
-                           max_message_bytes=args.max_message_bytes)
+                           max_message_bytes=server.max_message_bytes)
     return VerifierCommand(verifier, server, client, tuple(args.drafter))
 
 
@@ -91,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(cmd: VerifierCommand) -> int:
+    from chainspec.metrics.verifier import VerifierMetrics
+    from chainspec.rpc.verifier_service import serve_verifier
+
     metrics = VerifierMetrics(cmd.verifier.name, cmd.verifier.model.num_steps) \
         if cmd.server.metrics_port is not None else None
     stop = StopSignal()

@@ -19,8 +19,10 @@ from chainspec.engine.block_allocator import BlockAllocator
 from chainspec.engine.kv_groups import CacheClaims
 from chainspec.models.cache_spec import CacheSpec, PagedSpec, StateSpec
 from chainspec.models.kv_cache import ModelKVCache
+from chainspec.spine.sections import StackSection
+from chainspec.spine.sections import default as spine_default
 
-DEFAULT_BLOCK_SIZE = 16
+DEFAULT_BLOCK_SIZE = spine_default(StackSection, "block_size")  # the spine's block_size
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,9 @@ class KVBudget:
     fraction: float | None = None  # share of free device memory (CUDA only)
     block_size: int = DEFAULT_BLOCK_SIZE
     blocks: int | None = None  # an exact full-length block count (tests, benchmarks)
+    # vLLM's gpu_memory_utilization: this process may fill this share of the device's
+    # TOTAL memory, weights included; the KV pool takes what is left of it (CUDA only)
+    utilization: float | None = None
     prefix_caching: bool = True  # --enable-prefix-caching (DESIGN 4.12)
 
     def __post_init__(self) -> None:
@@ -40,9 +45,14 @@ class KVBudget:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.fraction}")
         if self.blocks is not None and self.blocks < 1:
             raise ValueError(f"blocks must be >= 1, got {self.blocks}")
-        given = [x for x in (self.memory_bytes, self.fraction, self.blocks) if x is not None]
+        if self.utilization is not None and not 0 < self.utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.utilization}")
+        given = [x for x in (self.memory_bytes, self.fraction, self.blocks, self.utilization)
+                 if x is not None]
         if len(given) > 1:
-            raise ValueError("give one of kv_cache_memory, kv_cache_fraction and blocks")
+            raise ValueError("give one of kv_cache_memory_bytes, kv_cache_fraction, "
+                             "gpu_memory_utilization and blocks")
 
     def num_blocks(self, per_block: int, max_seqs: int, max_len: int,
                    device: torch.device, fixed_bytes: int = 0) -> int:
@@ -61,6 +71,11 @@ class KVBudget:
             torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(device)
             return max(1, (int(free * self.fraction) - fixed_bytes) // per_block)
+        if self.utilization is not None and device.type == "cuda":
+            torch.cuda.empty_cache()  # NOTE: as above; `total - free` is what is in use
+            free, total = torch.cuda.mem_get_info(device)
+            room = int(total * self.utilization) - (total - free)
+            return max(1, (room - fixed_bytes) // per_block)
         return reserved
 
 

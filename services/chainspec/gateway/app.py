@@ -55,14 +55,14 @@ class Gateway:
 
     # -- models -------------------------------------------------------------------------
     def model_names(self) -> list[str]:
-        if self.config.model_name:
-            return [self.config.model_name] if self.pool.ready else []
+        if self.config.served_model_name:  # --served-model-name: every name, in order
+            return list(self.config.served_model_name) if self.pool.ready else []
         return sorted({info.model_name for info in self.pool.model_infos()})
 
     def model_cards(self) -> list[dict[str, Any]]:
         """vLLM's ModelCard per served name: `root` the model the verifiers load (their
         name), `parent` None (no adapters), `max_model_len` the longest they take."""
-        infos, alias = self.pool.model_infos(), bool(self.config.model_name)
+        infos, alias = self.pool.model_infos(), bool(self.config.served_model_name)
         cards = []
         for name in self.model_names():
             mine = sorted((i for i in infos if alias or i.model_name == name),

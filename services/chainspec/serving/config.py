@@ -9,13 +9,17 @@ and the flags are `commands/stack_flags.py`'s, shared with `chainspec up`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from chainspec.cluster.config import StackConfig
+from chainspec.cluster.config import StackConfig, of_section
 from chainspec.gateway.config import GatewayConfig
-from chainspec.strict_config import check_mapping
+from chainspec.spine import ServeSection, StackSection, runtime_fields, validate
+from chainspec.spine.read import speculative
+from chainspec.spine.sections import default as spine_default
 
+# beside the stack's keys; start_timeout_s here is serve's wait for the whole stack
 SERVE_KEYS = ("address", "start_timeout_s", "gateway")
 SECRETS = ("auth_token", "api_key")
 
@@ -24,8 +28,9 @@ SECRETS = ("auth_token", "api_key")
 class ServeConfig:
     stack: StackConfig = field(default_factory=StackConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
-    address: str | None = None  # Ray cluster to join; None: an embedded local Ray
-    start_timeout_s: float = 300.0  # longest wait for the stack to load and warm up
+    address: str | None = spine_default(ServeSection, "address")  # None: a local Ray
+    # longest wait for the stack to load and warm up (the stack's default, read here)
+    start_timeout_s: float = spine_default(ServeSection, "start_timeout_s")
 
     def __post_init__(self) -> None:
         if self.start_timeout_s <= 0:
@@ -34,11 +39,19 @@ class ServeConfig:
             raise ValueError("address must not be empty (leave it unset for a local Ray)")
 
     @classmethod
-    def from_dict(cls, data: Any) -> ServeConfig:
-        check_mapping(data, "config", SERVE_KEYS, cls=StackConfig)
-        stack = {k: v for k, v in data.items() if k not in SERVE_KEYS}
-        return cls(StackConfig.from_dict(stack), GatewayConfig.from_dict(data.get("gateway", {})),
-                   data.get("address"), data.get("start_timeout_s", cls.start_timeout_s))
+    def from_dict(cls, data: Any, where: str = "config",
+                  flags: Mapping[str, str] | None = None) -> ServeConfig:
+        """From parsed YAML/JSON (the spine's keys; old names warn): every problem one
+        ValueError line naming the key and `where` (or the flag that set it)."""
+        if isinstance(data, dict):
+            data = speculative(data, where, flags)
+        section = validate(ServeSection, data, where, flags)
+        given = section.model_fields_set - set(SERVE_KEYS)
+        stack = StackSection.model_construct(  # NOTE: every value validated just above
+            _fields_set=given, **{k: getattr(section, k) for k in given})
+        return cls(of_section(stack, where),
+                   GatewayConfig(**runtime_fields(section.gateway)), section.address,
+                   section.start_timeout_s)
 
     def to_dict(self) -> dict[str, Any]:
         """The file form: stack keys at the top level, the gateway in its section."""
