@@ -41,11 +41,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check services tests benchmarks
 
 # System tools some tests drive (helm into ./.tools/bin; promtool, prometheus and
-# redis-server from apt).
+# redis-server from apt; NVIDIA's aiperf load generator in its own venv under
+# ~/.cache/chainspec).
 tools:
 	bash deploy/install-tools.sh
 	bash deploy/install-prometheus.sh
 	bash deploy/install-redis.sh
+	bash deploy/install-aiperf.sh
 
 protos: $(STAMP)
 	$(PY) -m chainspec.rpc.build_protos

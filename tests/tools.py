@@ -1,5 +1,5 @@
 """Finding what the tests drive: Helm 3 (on PATH or in ./.tools/bin, see `make tools`),
-the kubernetes-validate and transformers packages, openssl, promtool and Prometheus. A
+the kubernetes-validate and transformers packages, openssl, promtool, Prometheus and aiperf. A
 missing tool skips the test with the reason, or fails it under CHAINSPEC_REQUIRE_TOOLS=1
 (set by .ci/run), so a CI run can never pass by skipping. The upstream CRD schemas are
 vendored in tests/helm/crds: a missing one is a broken checkout and always fails."""
@@ -112,3 +112,16 @@ def promtool_check(*args: str, stdin: str | None = None) -> None:
     proc = subprocess.run([promtool(), "check", *args], input=stdin, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, f"promtool check {' '.join(args)}:\n{proc.stdout}{proc.stderr}"
+
+
+AIPERF_HOW = "run `make tools` (deploy/install-aiperf.sh installs it into its own venv)"
+
+
+def aiperf() -> str:
+    """Path of NVIDIA's aiperf: $CHAINSPEC_AIPERF, PATH, then the venv `make tools` makes."""
+    cache = Path(os.environ.get("CHAINSPEC_TOOLS_CACHE", Path.home() / ".cache" / "chainspec"))
+    for candidate in (os.environ.get("CHAINSPEC_AIPERF"), shutil.which("aiperf"),
+                      cache / "aiperf-venv" / "bin" / "aiperf"):
+        if candidate and Path(candidate).is_file():
+            return str(candidate)
+    missing("aiperf", AIPERF_HOW)
