@@ -70,12 +70,14 @@ class _ServiceActor:
                 "drafter_mode": self.drafter_mode}
 
     async def _check_ranks(self) -> list[dict[str, Any]] | None:
-        """This member's ranks; the first dead one fails the member."""
+        """This member's ranks; the first dead or hung one fails the member."""
         group = hosted_group()
         ranks = group.rank_states() if group is not None else None
-        dead = [r["rank"] for r in ranks or () if r["state"] == "dead"]
+        dead = [r["rank"] for r in ranks or () if r["state"] != "alive"]
         if dead and self.group_failure is None and self.server is not None:
-            self.group_failure = f"tensor-parallel rank(s) {dead} of this {self.role} died"
+            how = "died" if all(r["state"] == "dead" for r in ranks if r["rank"] in dead) \
+                else "died or hung"
+            self.group_failure = f"tensor-parallel rank(s) {dead} of this {self.role} {how}"
             await getattr(self.server, "running", self.server).set_serving(False)
             self._engine_failed(self.group_failure)
         return ranks

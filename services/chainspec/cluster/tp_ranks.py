@@ -71,14 +71,17 @@ class RayGroup:
 
     def rank_states(self) -> list[dict]:
         """Every rank (0 = this process): rank, pid, node, state (alive; dead: its `serve`
-        ended, which a live group's never does)."""
+        ended, which a live group's never does; hung: it did not answer rank 0's
+        heartbeat, `engine/tp_group.Channel`)."""
         import os
 
         ended, _ = ray.wait(self.served, num_returns=len(self.served), timeout=0)
         ended = set(ended)
+        hung = self.leader.channel.unresponsive
         rows = [{"rank": 0, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
                  "state": "alive"}]
-        return rows + [{**info, "state": "dead" if ref in ended else "alive"}
+        return rows + [{**info, "state": "dead" if ref in ended else
+                        "hung" if info["rank"] in hung else "alive"}
                        for info, ref in zip(self.infos, self.served, strict=True)]
 
     def close(self) -> list[int]:

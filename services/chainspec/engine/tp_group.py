@@ -10,7 +10,8 @@ first paged step and every rank allocates its own heads' share.
 
 Two process groups: steps' collectives time out after `collective_timeout_s`, so a lost
 peer fails the step instead of hanging it; the command channel (gloo, host objects)
-waits up to `idle_timeout_s` between steps, and rank 0 pings it while idle.
+waits up to `idle_timeout_s` between steps, and rank 0 sends it a heartbeat while idle
+that every rank must answer, so a hung rank fails an idle group too (`Channel`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from chainspec.models.tensor_parallel import TPGroup
 
 COLLECTIVE_TIMEOUT_S = 60.0
 IDLE_TIMEOUT_S = 600.0
+HEARTBEAT_S = 2.0  # an idle group's rank 0 asks every rank for an answer this often
+HEARTBEAT_TAG = 0x4842
 CHUNK = 4096  # rows per message of the fingerprint stream
 SLAB = 16384  # bytes of a command broadcast: a verify step's inputs fit in one
 
@@ -56,6 +59,7 @@ class GroupAddress:
     backend: str = "gloo"  # "nccl" on GPUs
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     idle_timeout_s: float = IDLE_TIMEOUT_S
+    heartbeat_s: float = HEARTBEAT_S
 
     @classmethod
     def local(cls, world: int, backend: str = "gloo", **timeouts: float) -> GroupAddress:
@@ -67,29 +71,66 @@ class Channel:
     (`engine/tp_packing.py`), broadcast in a fixed slab of `SLAB` bytes (its length,
     then the bytes), so a step's message is one broadcast; a longer one sends the rest
     in a second. Rank 0's sends time out after the step timeout (a hung peer fails the
-    step); the others' waits for the next command after the idle timeout, so rank 0
-    keeps an idle group alive: a daemon thread sends a ping whenever nothing was sent for
-    a third of it (sends take a lock, so messages never interleave)."""
+    step); the others' waits for the next command after the idle timeout.
+
+    Heartbeat: while nothing was sent for `heartbeat_s`, a daemon thread on rank 0 sends
+    a ping and waits up to the step timeout for every rank's answer (a point-to-point
+    send: a broadcast's root finishes without its peers, so only an answer proves a rank
+    runs). A rank that does not answer (hung, SIGSTOPped) fails the group: `failure`
+    says why, `unresponsive` names the ranks, and every later send raises at once.
+    Sends take a lock, so messages and heartbeats never interleave."""
 
     def __init__(self, tp: TPGroup, group, send_timeout_s: float,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S
+                 ) -> None:
         self.tp, self.group = tp, group
         self.send_timeout = timedelta(seconds=send_timeout_s)
         self._lock = threading.Lock()
         self._last_send = time.monotonic()
         self._closed = False
+        self.failure: str | None = None
+        self.unresponsive: frozenset[int] = frozenset()
+        self.heartbeats = 0  # answered by every rank
         if tp.rank == 0 and tp.world > 1:
-            threading.Thread(target=self._keepalive, args=(idle_timeout_s / 3,),
-                             name="tp-keepalive", daemon=True).start()
+            every = min(heartbeat_s, idle_timeout_s / 3)
+            threading.Thread(target=self._heartbeats, args=(every,), name="tp-heartbeat",
+                             daemon=True).start()
 
-    def _keepalive(self, every_s: float) -> None:
-        while not self._closed:
+    def _heartbeats(self, every_s: float) -> None:
+        while not self._closed and self.failure is None:
             time.sleep(min(every_s / 4, 1.0))
-            if not self._closed and time.monotonic() - self._last_send > every_s:
+            if time.monotonic() - self._last_send > every_s:
                 try:
-                    self.send(("ping",))
-                except RuntimeError:  # a lost peer: the next step reports it
+                    self.heartbeat()
+                except RuntimeError:  # a lost peer: recorded, the next step reports it
                     return
+
+    def heartbeat(self) -> None:
+        """Rank 0: ping every rank and wait for their answers (RuntimeError, and the
+        group failed, when one does not answer within the step timeout)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._send(pack(("ping",)))
+            answers = {r: torch.zeros(1, dtype=torch.int64) for r in range(1, self.tp.world)}
+            works = {r: self.group.recv([t], r, HEARTBEAT_TAG) for r, t in answers.items()}
+            deadline = time.monotonic() + self.send_timeout.total_seconds()
+            silent = []
+            for r, work in works.items():
+                try:
+                    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
+                except RuntimeError:
+                    silent.append(r)
+            if silent:
+                self.unresponsive = frozenset(silent)
+                self.failure = (f"tensor-parallel rank(s) {silent} did not answer the "
+                                f"heartbeat within {self.send_timeout.total_seconds():g}s")
+                raise RuntimeError(self.failure)
+            self.heartbeats += 1
+
+    def answer(self) -> None:
+        """A rank > 0, on a ping: tell rank 0 this rank runs."""
+        self.group.send([torch.tensor([self.tp.rank])], 0, HEARTBEAT_TAG).wait()
 
     def _broadcast(self, t: torch.Tensor, timeout: timedelta | None) -> None:
         opts = dist.BroadcastOptions()
@@ -101,20 +142,26 @@ class Channel:
     def send(self, msg: tuple) -> None:
         t0 = time.perf_counter()
         data = pack(msg)  # [n] uint8
+        with self._lock:
+            if self._closed:
+                return
+            if self.failure is not None:
+                raise RuntimeError(self.failure)
+            self._closed = msg[0] == "stop"
+            self._send(data)
+        self.tp.stats.broadcasts += 1
+        self.tp.stats.broadcast_seconds += time.perf_counter() - t0
+
+    def _send(self, data: torch.Tensor) -> None:
+        """Broadcast packed bytes (under the lock): the slab, then any rest."""
         slab = torch.zeros(SLAB, dtype=torch.uint8)
         slab[:8].view(torch.int64)[0] = data.numel()
         first = min(data.numel(), SLAB - 8)
         slab[8:8 + first] = data[:first]
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = msg[0] == "stop"
-            self._last_send = time.monotonic()
-            self._broadcast(slab, self.send_timeout)
-            if data.numel() > first:
-                self._broadcast(data[first:].clone(), self.send_timeout)
-        self.tp.stats.broadcasts += 1
-        self.tp.stats.broadcast_seconds += time.perf_counter() - t0
+        self._last_send = time.monotonic()
+        self._broadcast(slab, self.send_timeout)
+        if data.numel() > first:
+            self._broadcast(data[first:].clone(), self.send_timeout)
 
     def recv(self) -> tuple:
         slab = torch.empty(SLAB, dtype=torch.uint8)
@@ -135,7 +182,8 @@ def join(address: GroupAddress, rank: int) -> tuple[TPGroup, Channel]:
     commands = dist.new_group(backend="gloo",
                               timeout=timedelta(seconds=address.idle_timeout_s))
     tp = TPGroup(rank, address.world)
-    return tp, Channel(tp, commands, address.collective_timeout_s, address.idle_timeout_s)
+    return tp, Channel(tp, commands, address.collective_timeout_s, address.idle_timeout_s,
+                       address.heartbeat_s)
 
 
 def leave() -> None:
@@ -350,7 +398,9 @@ def follow(shard: nn.Module, channel: Channel, device: torch.device | str = "cpu
                 _send_rows(shard)
             elif kind == "draft_logits":
                 shard.logits(msg[1], move(msg[2]))
-            elif kind != "ping":
+            elif kind == "ping":
+                channel.answer()
+            else:
                 raise ValueError(f"unknown tensor-parallel command {kind!r}")
 
 

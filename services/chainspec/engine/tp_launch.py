@@ -15,6 +15,7 @@ import torch
 
 from chainspec.engine.tp_group import (
     COLLECTIVE_TIMEOUT_S,
+    HEARTBEAT_S,
     IDLE_TIMEOUT_S,
     DraftLeader,
     GroupAddress,
@@ -97,16 +98,17 @@ def check_model(model_dir: str | Path, world: int, draft: bool = False) -> None:
 def start_local_group(model_dir: str | Path, world: int, dtype: torch.dtype = torch.float32,
                       device: str = "cpu", cache_len: int | None = None,
                       collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
-                      draft: bool = False, idle_timeout_s: float = IDLE_TIMEOUT_S
-                      ) -> LocalGroup:
+                      draft: bool = False, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                      heartbeat_s: float = HEARTBEAT_S) -> LocalGroup:
     """Ranks 1..world-1 in spawned processes, rank 0 here; returns once every rank has
     joined. A step whose peer is lost raises (RuntimeError) within the timeout. `draft`:
-    a group of the MTP drafter (rank 0 holds a `DraftLeader`)."""
+    a group of the MTP drafter (rank 0 holds a `DraftLeader`). While idle, rank 0 asks
+    every rank for an answer every `heartbeat_s`: a hung rank fails the group then."""
     source = ShardSource(str(model_dir), dtype, device, cache_len, draft)
     check_model(model_dir, world, draft)  # before spawning anything
     address = GroupAddress.local(world, "nccl" if device == "cuda" else "gloo",
                                  collective_timeout_s=collective_timeout_s,
-                                 idle_timeout_s=idle_timeout_s)
+                                 idle_timeout_s=idle_timeout_s, heartbeat_s=heartbeat_s)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(address, r, source), daemon=True)
              for r in range(1, world)]
