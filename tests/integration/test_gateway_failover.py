@@ -9,6 +9,7 @@ waits `wait_s`, then ends with the error."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -35,9 +36,12 @@ class DyingVerifier(pb_grpc.VerifierServicer):
     """Forwards to a real verifier; a stream that is not a continuation (or any stream,
     with `always`) ends with UNAVAILABLE once `after` tokens went out."""
 
-    def __init__(self, backend: str, after: int, always: bool = False) -> None:
+    def __init__(self, backend: str, after: int, always: bool = False,
+                 extra_load: int = 0) -> None:
         self.backend, self.after, self.always = backend, after, always
+        self.extra_load = extra_load  # added to the load its Info reports
         self.stub, self.kills = None, 0
+        self.on_kill = lambda: None
 
     async def Generate(self, request, context):
         if self.stub is None:
@@ -50,12 +54,15 @@ class DyingVerifier(pb_grpc.VerifierServicer):
             if dies and sent >= self.after and not msg.HasField("finished"):
                 call.cancel()
                 self.kills += 1
+                self.on_kill()
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "verifier died (test)")
 
     async def Info(self, request, context):
         if self.stub is None:
             self.stub = pb_grpc.VerifierStub(make_aio_channel(self.backend))
-        return await self.stub.Info(request)
+        info = await self.stub.Info(request)
+        info.running += self.extra_load
+        return info
 
 
 @dataclasses.dataclass
@@ -218,3 +225,33 @@ def test_with_no_other_verifier_the_stream_waits_then_ends_with_the_error(stack)
     assert "no other verifier" in got.error["message"] and "died" in got.error["message"]
     assert WAIT_S <= took < WAIT_S + 5, took
     assert _resumes(gateway) == 0
+
+
+def test_a_verifier_that_failed_the_stream_is_not_tried_again_while_serving(stack) -> None:
+    """A (least loaded, still SERVING) kills every stream, continuations too; B is busier
+    but sound: the stream resumes on B, never again on A."""
+    a = DyingVerifier(stack.real.address, 4, always=True)
+    b = DyingVerifier(stack.real.address, 10 ** 6, extra_load=5)
+    gateway = stack.dying(a, b)
+    want = ask(stack.reference, {**GREEDY, "stream": True})
+    got = ask(gateway, {**GREEDY, "stream": True})
+    assert (got.texts, got.tokens, got.error) == (want.texts, want.tokens, None)
+    assert (a.kills, _resumes(gateway)) == (1, 1)
+
+
+def test_a_verifier_that_comes_back_takes_the_resume(stack) -> None:
+    """The only verifier fails the stream, turns NOT_SERVING and SERVING again within
+    the wait (a restarted group): the stream resumes there and completes."""
+    proxy = DyingVerifier(stack.real.address, 4)
+    gateway = stack.dying(proxy)
+    server = stack.servers[-2]  # the proxy's gRPC server
+
+    async def flap() -> None:
+        await server.set_serving(False)
+        await asyncio.sleep(0.6)  # the gateway's pool polls every 0.2 s
+        await server.set_serving(True)
+    proxy.on_kill = lambda: asyncio.ensure_future(flap())
+    want = ask(stack.reference, {**GREEDY, "stream": True})
+    got = ask(gateway, {**GREEDY, "stream": True})
+    assert (got.texts, got.tokens, got.error) == (want.texts, want.tokens, None)
+    assert (proxy.kills, _resumes(gateway)) == (1, 1)
