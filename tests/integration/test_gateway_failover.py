@@ -37,9 +37,10 @@ class DyingVerifier(pb_grpc.VerifierServicer):
     with `always`) ends with UNAVAILABLE once `after` tokens went out."""
 
     def __init__(self, backend: str, after: int, always: bool = False,
-                 extra_load: int = 0) -> None:
+                 extra_load: int = 0, continues: bool = True) -> None:
         self.backend, self.after, self.always = backend, after, always
         self.extra_load = extra_load  # added to the load its Info reports
+        self.continues = continues  # what its Info says (False: an older verifier)
         self.stub, self.kills = None, 0
         self.on_kill = lambda: None
 
@@ -62,6 +63,7 @@ class DyingVerifier(pb_grpc.VerifierServicer):
             self.stub = pb_grpc.VerifierStub(make_aio_channel(self.backend))
         info = await self.stub.Info(request)
         info.running += self.extra_load
+        info.continues = self.continues
         return info
 
 
@@ -255,3 +257,13 @@ def test_a_verifier_that_comes_back_takes_the_resume(stack) -> None:
     got = ask(gateway, {**GREEDY, "stream": True})
     assert (got.texts, got.tokens, got.error) == (want.texts, want.tokens, None)
     assert (proxy.kills, _resumes(gateway)) == (1, 1)
+
+
+def test_a_verifier_that_does_not_continue_is_not_resumed_on(stack) -> None:
+    """B (an older verifier: its Info does not say `continues`) would ignore the
+    continuation and start the output again: the stream ends with the error instead."""
+    b = DyingVerifier(stack.real.address, 10 ** 6, extra_load=5, continues=False)
+    gateway = stack.dying(DyingVerifier(stack.real.address, 4), b)
+    got = ask(gateway, {**GREEDY, "stream": True})
+    assert got.error is not None and "no other verifier" in got.error["message"], got.error
+    assert _resumes(gateway) == 0

@@ -187,8 +187,8 @@ class GenerationStream:
         failover = self.opts.failover
         give_up = time.monotonic() + failover.wait_s
         while True:
-            handles = [h for h in self.pool.candidates()
-                       if self.avoid.allows(h.endpoint, h.epoch)]
+            handles = [h for h in self.pool.candidates() if h.info is not None and
+                       h.info.continues and self.avoid.allows(h.endpoint, h.epoch)]
             left = self.deadline - time.monotonic()
             opened = await open_on(self.pool, handles, request, self.opts, left) \
                 if left > 0 and handles else None

@@ -6,8 +6,9 @@ What resumes: a call that ends with a status a dying or unreachable verifier giv
 UNKNOWN: a stream cut off mid-message). A client error (INVALID_ARGUMENT, ...), the
 request's own deadline, or a request the verifier finished with an error does not.
 
-How: the request goes again to a serving verifier, least loaded first and never one that
-failed it (unless that one has since been seen out of service and back), as a
+How: the request goes again to a serving verifier that takes continuations
+(VerifierInfo.continues), least loaded first and never one that failed it (unless that
+one has since been seen out of service and back), as a
 *continuation* (GenerateRequest.continuation): the same prompt, sampling, seed, stop
 conditions and logprob settings, plus the token ids the client was sent and the length
 of their text. The verifier counts those tokens as already generated (max_tokens,

@@ -170,7 +170,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             model_name=self.model_name, weights_fingerprint=self.fingerprint,
             num_draft_tokens=self.limits.num_steps, capacity=e.engine.config.max_seqs,
             running=e.running, waiting=e.waiting, drafters=self.drafters(),
-            max_model_len=self.limits.context, version=chainspec_version())
+            max_model_len=self.limits.context, version=chainspec_version(), continues=True)
 
 
 class _ResponseWriter:

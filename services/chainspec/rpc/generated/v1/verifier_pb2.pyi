@@ -221,7 +221,7 @@ class VerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model_name", "weights_fingerprint", "num_draft_tokens", "capacity", "running", "waiting", "drafters", "max_model_len", "version")
+    __slots__ = ("model_name", "weights_fingerprint", "num_draft_tokens", "capacity", "running", "waiting", "drafters", "max_model_len", "version", "continues")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,7 @@ class VerifierInfo(_message.Message):
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONTINUES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     weights_fingerprint: str
     num_draft_tokens: int
@@ -240,4 +241,5 @@ class VerifierInfo(_message.Message):
     drafters: int
     max_model_len: int
     version: str
-    def __init__(self, model_name: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., drafters: _Optional[int] = ..., max_model_len: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    continues: bool
+    def __init__(self, model_name: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., capacity: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., drafters: _Optional[int] = ..., max_model_len: _Optional[int] = ..., version: _Optional[str] = ..., continues: _Optional[bool] = ...) -> None: ...
