@@ -69,7 +69,7 @@ def test_gateway_boots_the_stack_then_execs_the_gateway(case, booted):
 def test_stack_config_fits_the_worker_groups(case, booted):
     b = booted(case)
     config = b.of("up")[0].resolved["config"]
-    assert config["host"] == "0.0.0.0"  # actors advertise their pod IP
+    assert config["grpc_host"] == "0.0.0.0"  # actors advertise their pod IP
     head = one(b.docs, "RayCluster")["spec"]["headGroupSpec"]
     scaled = {r.resolved["role"]: r.resolved["replicas"] for r in b.of("scale")}
     for role in ROLES:
@@ -96,7 +96,7 @@ def test_stack_config_fits_the_worker_groups(case, booted):
 @pytest.mark.parametrize("case", CASE_NAMES)
 def test_model_directory_is_mounted_where_it_is_read(case, booted):
     b = booted(case)
-    model_dir = b.of("up")[0].resolved["config"]["model_dir"]
+    model_dir = b.of("up")[0].resolved["config"]["model"]
     mounted = [pt for pt in pod_templates(b.docs) if "model" in
                {v["name"] for v in pt.spec.get("volumes", [])}]
     if not mounted:  # the bundled demo model: the package's own path

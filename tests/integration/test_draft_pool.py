@@ -122,6 +122,29 @@ def test_equals_plain_and_the_in_process_drafter(models, batch, plain, drafters,
     assert wait_until(lambda: all(s.engine.load == 0 for s in servers)), "released"
 
 
+def test_prefix_cache_hits_reach_a_remote_drafter(models, drafters) -> None:
+    """Prompts sharing a prefix (prefix caching on, the default): the update that opens a
+    sequence past 0 is routed like a start = 0 one, the drafter reads its MTP KV from its
+    cache (no resync), and output and drafts equal the in-process drafter's."""
+    target, draft = models
+    shared = [(7 * i) % target.config.vocab_size for i in range(1, 50)]  # 3 full blocks
+    ps = [shared + p for p in prompts(4, vocab=target.config.vocab_size, seed=4)]
+    local = LocalDraftClient(drafter_engine(copy.deepcopy(draft), k=K))
+    want, want_stats, _ = _run(target, local, ps, 1)
+    (server,) = drafters(1)
+    client = GrpcDraftClient([server.address], round_deadline_s=PATIENT,
+                             match=DrafterMatch(K, 32, target.config.vocab_size))
+    try:
+        got, stats, eng = _run(target, client, ps, 1)
+    finally:
+        client.close()
+    assert got == want and stats == want_stats
+    assert eng.allocator.cache.hits > 0 and eng.resyncs == 0
+    hits = server.engine.allocator.cache.hits
+    assert hits == server.engine.allocator.cache.queries > 0
+    assert client.stats.local_failures == 0
+
+
 def test_draft_ahead_over_grpc_equals_plain(models, batch, plain, drafters) -> None:
     """Look-ahead responses cross the wire and reach the verifier before its verdicts
     (hits and misses are counted only for look-aheads that did); output stays plain."""

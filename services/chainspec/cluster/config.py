@@ -130,7 +130,7 @@ class StackConfig:
     draft_top_k: int = _s("draft_top_k")  # support of sampled drafts (every engine)
     use_graphs: bool = not _s("enforce_eager")  # CUDA graphs on GPU members; False: eager
     speculative_depth: str = _s("speculative_depth")  # fixed K, or adaptive (4.11)
-    seed: int = _s("seed")  # members' draws for unseeded requests
+    seed: int | None = _s("seed")  # members' draws for unseeded requests
     enable_prefix_caching: bool = _s("enable_prefix_caching")  # verifiers share prefixes
     drafter: DrafterRoleConfig = field(default_factory=DrafterRoleConfig)
     verifier: RoleConfig = field(default_factory=RoleConfig)

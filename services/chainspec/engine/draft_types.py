@@ -92,6 +92,11 @@ class SeqUpdate:
         """Position the next update of this sequence starts at (the new bonus index N')."""
         return self.start + len(self.tokens)
 
+    @property
+    def opens_from_cache(self) -> bool:
+        """It may open the sequence past 0 from a prefix cache hit: its keys reach start."""
+        return self.start > 0 and any(end == self.start for end, _ in self.cache_keys)
+
 
 @dataclass(frozen=True)
 class DraftResult:

@@ -86,6 +86,7 @@ def verifier_config(opts: LocalOptions, groups: int = 1, draft_ahead: bool = Fal
                           draft_top_k=opts.draft_top_k, use_graphs=opts.use_graphs,
                           kv=opts.kv_budget,
                           adaptive_depth=opts.speculative_depth == "adaptive",
+                          seed=opts.seed,
                           max_batch_tokens=max(1024, opts.max_seqs * (opts.num_steps + 1)))
 
 

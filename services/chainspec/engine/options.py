@@ -92,7 +92,7 @@ class LocalOptions:
     # draft depth per round: "fixed" (K for every sequence) or "adaptive" (k in 0..K per
     # sequence each step, engine/adaptive_depth.py); a verifier's choice
     speculative_depth: str = _s("speculative_depth")
-    seed: int = _s("seed")  # this process's draws for requests that set no seed
+    seed: int | None = _s("seed")  # this process's draws for requests that set no seed
     enable_prefix_caching: bool = _s("enable_prefix_caching")  # share full prompt blocks
     # this engine's ranks (engine/tp_group.py): the target's; in a drafter's options
     # (`for_drafter`'s caller) its MTP modules'. An in-process drafter runs at 1. 1: no group

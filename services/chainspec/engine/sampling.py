@@ -12,6 +12,7 @@ the token being decided; `stream` keeps the three consumers independent (see Noi
 from __future__ import annotations
 
 import math
+import random
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -118,9 +119,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def resolve_seed(self) -> SamplingParams:
-        """Self with a concrete seed; call once at admission so every round agrees."""
-        return self if self.seed is not None else replace(self, seed=secrets.randbits(63))
+    def resolve_seed(self, draws: random.Random | None = None) -> SamplingParams:
+        """Self with a concrete seed; call once at admission so every round agrees.
+        `draws`: the engine's seeded source (vLLM's --seed), else fresh randomness."""
+        if self.seed is not None:
+            return self
+        return replace(self, seed=draws.getrandbits(63) if draws else secrets.randbits(63))
 
 
 def _is_number(v) -> bool:

@@ -14,6 +14,7 @@ sequence's own rounds are unchanged (same windows, same acceptance), so output i
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -62,6 +63,7 @@ class VerifierConfig:
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # admission order
     adaptive_depth: bool = False  # choose k in 0..K per sequence each step (DESIGN 4.11)
 
+    seed: int | None = None  # --seed: the seeds of unseeded requests; None: fresh randomness
     def __post_init__(self) -> None:
         object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
         if self.num_steps < 1:
@@ -86,6 +88,7 @@ class VerifierEngine(DraftProtocol):
         self.detokenize = detokenize
         self.observer = observer  # metrics: told about requests and steps (host values only)
         param = next(model.parameters())
+        self.draws = random.Random(config.seed) if config.seed is not None else None
         self.device, self.dtype = param.device, param.dtype
         self.cache, self.allocator, self.claims = model_cache(
             model.cache_specs(), config.kv, config.max_seqs, config.max_len,
@@ -143,7 +146,7 @@ class VerifierEngine(DraftProtocol):
                              f"{self.allocator.block_size})")
         if any(not 0 <= t < vocab for t in generated):
             raise ValueError(f"generated token ids must be in [0, {vocab})")
-        req = Request(request_id, list(prompt), sampling.resolve_seed(), stop,
+        req = Request(request_id, list(prompt), sampling.resolve_seed(self.draws), stop,
                       self.config.num_steps)
         if generated:
             self._continue(req, generated)

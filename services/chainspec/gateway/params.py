@@ -23,7 +23,8 @@ ACCEPTED_EXTRAS: dict[str, str] = {
     "parallel_tool_calls": "only matters with `tools`, which are refused",
     "include_reasoning": "no reasoning parser runs, so there is no reasoning content to "
                          "include or drop",
-    "cache_salt": "no prefix cache is shared between requests, so there is nothing to salt",
+    "cache_salt": "prefix caching never changes output; a salt only keeps requests from "
+                  "sharing cached blocks, which is not applied yet (all requests share)",
 }
 
 _OFF_NONE: tuple[Any, ...] = (None,)

@@ -5,6 +5,8 @@ called from the verifier engine's thread; one reader thread per stream deposits 
 
 - Assignment is sticky and least-loaded: a sequence's first `start = 0` update picks the
   live drafter with the fewest sequences; later updates follow it.
+- A sequence's first update past 0 that opens it from a prefix cache hit (its cache keys
+  reach `start`, DESIGN 4.12) is assigned like a `start = 0` one.
 - An update with `start != 0` whose drafter is gone, draining or removed is not sent: the
   pool answers FAILED_PRECONDITION itself, the verifier resyncs with `start = 0`, and
   that update goes to a live drafter. A drafter's UNAVAILABLE (draining) is passed on
@@ -297,7 +299,7 @@ class GrpcDraftClient:
             # NOTE: not FAILED_PRECONDITION: a resync would find no drafter either, and a
             # verifier that retried resyncs would recompute the prefix every round
             return self._local(u, ErrorCode.UNAVAILABLE, "no drafter available")
-        if u.start != 0:
+        if u.start != 0 and not (owner is None and u.opens_from_cache):
             where = "none" if owner is None else f"{owner.endpoint} is {owner.state}"
             return self._local(u, ErrorCode.FAILED_PRECONDITION,
                                f"sequence {u.seq_id} has no drafter ({where}); resync")

@@ -185,7 +185,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         scoped, admitted, refused = [], [], []
         for u in updates:
             eid = stream.ids.get(u.seq_id)
-            if eid is None and u.start == 0 and len(stream.ids) >= stream.limit:
+            opens = u.start == 0 or u.opens_from_cache  # a prefix cache hit opens past 0
+            if eid is None and opens and len(stream.ids) >= stream.limit:
                 refused.append(SeqFailure(
                     u.seq_id, ErrorCode.RESOURCE_EXHAUSTED,
                     f"sequence {u.seq_id}: this stream already holds {len(stream.ids)} "
@@ -193,7 +194,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 continue
             if eid is None:
                 eid = next(self._ids)
-                if u.start == 0:
+                if opens:
                     stream.ids[u.seq_id] = eid
                     fresh.add(u.seq_id)
             scoped.append(replace(u, seq_id=eid))

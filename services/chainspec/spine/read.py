@@ -181,10 +181,8 @@ def speculative(data: Mapping[str, Any], where: str,
     raw = data.pop("speculative_config", None)
     if raw is None:
         return data
-    inner = f"{where}: speculative_config"
-    named = {k.removeprefix("speculative_config."): v for k, v in (flags or {}).items()}
-    spec = validate(SpeculativeSection, raw, (flags or {}).get("speculative_config", inner),
-                    named)
+    inner = (flags or {}).get("speculative_config") or f"{where}: speculative_config"
+    spec = validate(SpeculativeSection, raw, inner)
     if spec.method not in ("mtp", "deepseek_mtp"):
         raise ConfigError(f"{inner}: method {spec.method!r} is not supported: chainspec "
                           f"drafts with the checkpoint's MTP modules (method mtp)")

@@ -117,15 +117,16 @@ class StackSection(Section):
     draft_top_k: int = option(8, "support of sampled draft distributions", ge=1,
                               chart="draftTopK")
     enforce_eager: bool = option(False, "no CUDA graphs (default: graphs on a GPU)",
-                                 field="use_graphs", invert=True, chart="enforceEager")
+                                 field="use_graphs", invert=True, chart="cudaGraphs")
     speculative_depth: Literal[SPECULATIVE_DEPTHS] = option(
         "fixed", "drafts verified per round: fixed (K every round) or adaptive (k in "
         "0..K per sequence each step; DESIGN 4.11)", chart="speculativeDepth")
     enable_prefix_caching: bool = option(True, "verifiers share the KV blocks of equal "
                                          "prompt prefixes (vLLM's prefix caching)",
                                          chart="enablePrefixCaching")
-    seed: int = option(0, "seed of the members' random draws for requests that set no "
-                       "seed (vLLM's --seed)", ge=0, chart="seed")
+    seed: int | None = option(None, "seeds the seeds each verifier gives requests that set "
+                              "none, so a run repeats (vLLM's --seed; default: none, fresh "
+                              "randomness)", ge=0, chart="seed")
     drafter: DrafterRoleSection = Field(default_factory=DrafterRoleSection)
     verifier: RoleSection = Field(default_factory=RoleSection)
     grpc_host: str = option("127.0.0.1", "gRPC bind address of the services; 0.0.0.0 "

@@ -1,0 +1,172 @@
+"""Prefix caching (DESIGN 4.12): multi-turn chats behind one shared system prompt, with
+prefix caching on and off, through the engine (a verifier with its drafter in process,
+speculative, the demo model on CPU).
+
+Workload: --chats conversations run at once, each --turns turns. A turn's prompt is the
+shared system prompt (--system tokens), the conversation so far (earlier user messages and
+the replies the engine generated) and a new user message (--user tokens); it asks for
+--reply tokens (ignore_eos). A chat sends its next turn when the reply is complete (closed
+loop), so later turns find the system prompt and their own history cached. Token ids are
+drawn at random from the vocabulary (seeded), the same in both runs.
+
+Measured per run: TTFT (request added -> first token out of `step()`), p50 and p90, and
+throughput (reply tokens over the run's wall time). The runs take turns (off, on, off, on
+...) --repeats times on a shared 2-core box; the report gives the medians, the ratios
+(off / on for TTFT, on / off for throughput) and checks that every reply is the same
+token for token with caching on and off.
+
+Usage: python benchmarks/prefix_cache.py [--chats 4] [--turns 4] [--system 1000]
+Writes benchmarks/results/prefix_cache.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from chainspec.engine.local import LocalOptions, build_verifier, load_models
+from chainspec.engine.request import StopConditions
+from chainspec.engine.sampling import SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGETS = {"ttft_p50_ratio": 3.0, "throughput_ratio": 1.5}  # issue 23
+
+
+def workload(args, vocab: int) -> tuple[list[int], list[list[list[int]]]]:
+    """The system prompt and each chat's user messages."""
+    rng = random.Random(args.seed)
+    system = [rng.randrange(1, vocab) for _ in range(args.system)]
+    users = [[[rng.randrange(1, vocab) for _ in range(args.user)] for _ in range(args.turns)]
+             for _ in range(args.chats)]
+    return system, users
+
+
+def run(engine, system: list[int], users, reply: int) -> dict:
+    """Every chat to its last turn; TTFTs, replies and the wall time."""
+    history = [list(system) for _ in users]
+    turn = [0] * len(users)
+    added: dict[str, float] = {}
+    ttft: list[float] = []
+    replies: dict[str, list[int]] = {}
+    stop = StopConditions(max_tokens=reply, ignore_eos=True)
+
+    def submit(chat: int) -> None:
+        rid = f"c{chat}t{turn[chat]}"
+        history[chat] += users[chat][turn[chat]]
+        engine.add_request(rid, history[chat], SamplingParams(temperature=0.0), stop)
+        added[rid], replies[rid] = time.perf_counter(), []
+
+    t0 = time.perf_counter()
+    for chat in range(len(users)):
+        submit(chat)
+    cached = prompt = 0
+    while engine.has_work:
+        for out in engine.step():
+            toks = replies[out.request_id]
+            if not toks and out.new_tokens:
+                ttft.append(time.perf_counter() - added[out.request_id])
+            toks.extend(out.new_tokens)
+            if not out.finished:
+                continue
+            chat = int(out.request_id[1:].split("t")[0])
+            cached += out.stats.cached_tokens
+            prompt += len(history[chat])
+            history[chat] += toks
+            turn[chat] += 1
+            if turn[chat] < len(users[chat]):
+                submit(chat)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(t) for t in replies.values())
+    ttft.sort()
+    return {"wall_s": wall, "tokens": tokens, "throughput_tok_s": tokens / wall,
+            "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": ttft[int(0.9 * len(ttft))],
+            "cached_prompt_tokens": cached, "prompt_tokens": prompt, "replies": replies,
+            "resyncs": engine.resyncs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--chats", type=int, default=4)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system", type=int, default=1000)
+    p.add_argument("--user", type=int, default=24)
+    p.add_argument("--reply", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    max_len = args.system + args.turns * (args.user + args.reply) + 64
+    opts = {on: LocalOptions(max_seqs=args.chats, max_len=max_len, enable_prefix_caching=on)
+            for on in (False, True)}
+    models = load_models(opts[True], speculative=True)
+    system, users = workload(args, models.target.config.vocab_size)
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(args.repeats):
+        for on in (False, True):
+            engine = build_verifier(models, opts[on], speculative=True)
+            runs[on].append(run(engine, system, users, args.reply))
+    report = summarize(args, argv, runs)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "prefix_cache.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / "prefix_cache.md").write_text(markdown(report))
+    print(json.dumps(report, indent=2))
+    return 0 if report["identical"] else 1
+
+
+def summarize(args, argv, runs: dict[bool, list[dict]]) -> dict:
+    def med(on: bool, key: str) -> float:
+        return statistics.median(r[key] for r in runs[on])
+    identical = all(r["replies"] == runs[False][0]["replies"] for rs in runs.values()
+                    for r in rs)
+    side = {("on" if on else "off"): {
+        "ttft_p50_ms": round(1e3 * med(on, "ttft_p50_s"), 1),
+        "ttft_p90_ms": round(1e3 * med(on, "ttft_p90_s"), 1),
+        "throughput_tok_s": round(med(on, "throughput_tok_s"), 1),
+        "wall_s": [round(r["wall_s"], 2) for r in runs[on]],
+        "cached_prompt_tokens": runs[on][0]["cached_prompt_tokens"],
+        "prompt_tokens": runs[on][0]["prompt_tokens"],
+        "resyncs": runs[on][0]["resyncs"]} for on in (False, True)}
+    return {
+        "command": "python benchmarks/prefix_cache.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]),
+        "chats": args.chats, "turns": args.turns, "system_tokens": args.system,
+        "user_tokens": args.user, "reply_tokens": args.reply, "repeats": args.repeats,
+        "engine": "VerifierEngine + in-process drafter (demo model, K=3, CPU, 1 thread)",
+        **side,
+        "ttft_p50_ratio": round(side["off"]["ttft_p50_ms"] / side["on"]["ttft_p50_ms"], 2),
+        "throughput_ratio": round(side["on"]["throughput_tok_s"] /
+                                  side["off"]["throughput_tok_s"], 2),
+        "targets": TARGETS, "identical": identical}
+
+
+def markdown(r: dict) -> str:
+    rows = "".join(
+        f"| {name} | {r[name]['ttft_p50_ms']} | {r[name]['ttft_p90_ms']} | "
+        f"{r[name]['throughput_tok_s']} | {r[name]['cached_prompt_tokens']} of "
+        f"{r[name]['prompt_tokens']} | {r[name]['resyncs']} |\n" for name in ("off", "on"))
+    met = {k: r[k] >= v for k, v in r["targets"].items()}
+    return (
+        "# Prefix caching: multi-turn chats behind a shared system prompt\n\n"
+        f"`{r['command'].strip()}`\n\n"
+        f"{r['engine']}; {r['chats']} chats at once, {r['turns']} turns each; a turn's prompt "
+        f"is the {r['system_tokens']}-token system prompt, the chat so far and a "
+        f"{r['user_tokens']}-token user message; replies of {r['reply_tokens']} tokens, "
+        f"greedy. Medians of {r['repeats']} runs each, on and off taking turns.\n\n"
+        "| prefix caching | TTFT p50 (ms) | TTFT p90 (ms) | throughput (tok/s) | "
+        "prompt tokens cached | drafter resyncs |\n|---|---|---|---|---|---|\n" + rows +
+        f"\nTTFT p50 {r['ttft_p50_ratio']}x lower (target >= "
+        f"{r['targets']['ttft_p50_ratio']}: {'met' if met['ttft_p50_ratio'] else 'not met'}),"
+        f" throughput {r['throughput_ratio']}x (target >= {r['targets']['throughput_ratio']}: "
+        f"{'met' if met['throughput_ratio'] else 'not met'}). Replies identical on and off: "
+        f"{'yes' if r['identical'] else 'NO'}.\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
