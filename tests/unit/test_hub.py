@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from huggingface_hub import constants
 
@@ -77,3 +80,17 @@ def test_served_names():
     assert served_name("/c/models--Qwen--Qwen3-0.6B/snapshots/" + "a" * 40 + "/") == \
         "Qwen/Qwen3-0.6B"
     assert served_name("/data/my-model") == "my-model"
+
+
+
+def test_fetch_model_links_the_model_dir_to_the_snapshot_in_its_cache(tmp_path, offline):
+    from chainspec.models.hub import fetch_model
+    volume = tmp_path / "models"
+    add_to_cache(volume / "hub", "org/name", model_files(tmp_path, "old", '{"v": 1}'))
+    link = fetch_model("org/name", "", volume / "model", volume / "hub")
+    assert link.is_symlink() and not Path(os.readlink(link)).is_absolute()  # any mount
+    assert (link / "config.json").read_text() == '{"v": 1}'
+    add_to_cache(volume / "hub", "org/name", model_files(tmp_path, "new", '{"v": 2}'))
+    fetch_model("org/name", "", volume / "model", volume / "hub")  # main moved on
+    assert (link / "config.json").read_text() == '{"v": 2}'
+    assert sorted(p.name for p in volume.iterdir()) == ["hub", "model"]  # no leftovers

@@ -79,11 +79,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "ray://%s-head-svc:%d" (include "chainspec.fullname" .) (int .Values.head.ports.client) -}}
 {{- end -}}
 
-{{/* The model directory inside the pods; "" = the image's bundled demo model. */}}
+{{/* The model directory inside the pods; "" = the image's bundled demo model. A Hub
+model's is a link the fetch-model init container makes (model.dir, default "model"). */}}
 {{- define "chainspec.modelDir" -}}
 {{- if ne .Values.model.source "bundled" -}}
-{{- if .Values.model.dir -}}
-{{- printf "%s/%s" (.Values.model.mountPath | trimSuffix "/") (.Values.model.dir | trimPrefix "/") -}}
+{{- $dir := .Values.model.dir | default (eq .Values.model.source "hub" | ternary "model" "") -}}
+{{- if $dir -}}
+{{- printf "%s/%s" (.Values.model.mountPath | trimSuffix "/") ($dir | trimPrefix "/") -}}
 {{- else -}}
 {{- .Values.model.mountPath -}}
 {{- end -}}
@@ -102,7 +104,64 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   hostPath:
     path: {{ required "model.hostPath.path is required when model.source is hostPath" .Values.model.hostPath.path }}
     type: {{ .Values.model.hostPath.type }}
+{{- else if eq .Values.model.source "hub" }}
+- name: model
+  {{- with .Values.model.hub.pvc.claimName }}
+  persistentVolumeClaim:
+    claimName: {{ . }}
+  {{- else }}
+  emptyDir:
+    {{- with .Values.model.hub.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+  {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/* model.source hub: the init container that downloads the Hub model into the model
+volume before a pod's containers start (models/hub.py fetch_model: a Hugging Face cache
+in <mountPath>/hub, the model dir a link to its snapshot); every pod that mounts the
+model runs it. With hub.pvc the pods share one cache: a model already there is not
+downloaded again. (dict "ctx" $ "block" .Values.<role>) */}}
+{{- define "chainspec.modelFetch" -}}
+{{- $m := .ctx.Values.model -}}
+{{- if eq $m.source "hub" }}
+- name: fetch-model
+  image: {{ include "chainspec.image" . }}
+  imagePullPolicy: {{ include "chainspec.pullPolicy" . }}
+  command: ["python", "-c", "import sys; from chainspec.models.hub import fetch_model; print(fetch_model(*sys.argv[1:]))"]
+  args:
+    - {{ required "model.hub.id (org/name) is required when model.source is hub" $m.hub.id | quote }}
+    - {{ $m.hub.revision | quote }}
+    - {{ include "chainspec.modelDir" .ctx | quote }}
+    - {{ printf "%s/hub" ($m.mountPath | trimSuffix "/") | quote }}
+  env:
+    - name: HF_HOME  # huggingface_hub's own files, in the volume (the image's HOME may be read-only)
+      value: {{ printf "%s/.huggingface" ($m.mountPath | trimSuffix "/") | quote }}
+    {{- with $m.hub.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $m.hub.tokenSecret.key }}
+    {{- end }}
+  {{- with .block.securityContext }}
+  securityContext:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  volumeMounts:
+    - name: model
+      mountPath: {{ $m.mountPath }}
+{{- end }}
+{{- end -}}
+
+{{/* The name clients send: model.name, else a Hub model's id ("" = the verifiers'). */}}
+{{- define "chainspec.modelName" -}}
+{{- if .Values.model.name -}}
+{{- .Values.model.name -}}
+{{- else if eq .Values.model.source "hub" -}}
+{{- .Values.model.hub.id -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "chainspec.modelMount" -}}

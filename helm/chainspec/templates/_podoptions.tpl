@@ -2,21 +2,29 @@
 and production-stack users expect them: priorityClassName, runtimeClassName,
 topologySpreadConstraints and initContainers (pod spec fields, at the pod spec's
 indentation); the block's sidecars go after its main container, envFrom into it.
-Call with the block (.Values.<role>). */}}
+The model's fetch-model init container (model.source hub) runs before the block's own.
+Call with (dict "ctx" $ "block" .Values.<role>). */}}
 {{- define "chainspec.podOptions" -}}
-{{- with .priorityClassName }}
+{{- $b := .block -}}
+{{- with $b.priorityClassName }}
 priorityClassName: {{ . }}
 {{- end }}
-{{- with .runtimeClassName }}
+{{- with $b.runtimeClassName }}
 runtimeClassName: {{ . }}
 {{- end }}
-{{- with .topologySpreadConstraints }}
+{{- with $b.topologySpreadConstraints }}
 topologySpreadConstraints:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .initContainers }}
+{{- $fetch := include "chainspec.modelFetch" . | trim }}
+{{- if or $fetch $b.initContainers }}
 initContainers:
+  {{- with $fetch }}
+  {{- . | nindent 2 }}
+  {{- end }}
+  {{- with $b.initContainers }}
   {{- toYaml . | nindent 2 }}
+  {{- end }}
 {{- end }}
 {{- end -}}
 

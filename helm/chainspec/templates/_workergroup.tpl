@@ -68,7 +68,7 @@ their value blocks mean the same thing. Call with (dict "ctx" $ "role" "drafter"
       affinity:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-      {{- with include "chainspec.podOptions" $v | trim }}
+      {{- with include "chainspec.podOptions" (dict "ctx" $ "block" $v) | trim }}
       {{- . | nindent 6 }}
       {{- end }}
       containers:

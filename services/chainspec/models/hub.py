@@ -14,7 +14,9 @@ directory its own name.
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
 from pathlib import Path
 
 from chainspec.models.errors import CheckpointError
@@ -73,6 +75,21 @@ def _snapshot(repo: str, revision: str | None, download_dir: str | Path | None) 
             from None
     except (errors.HfHubHTTPError, OSError) as e:
         raise ModelNotFound(f"{where}: download failed: {str(e).splitlines()[0]}") from None
+
+
+def fetch_model(repo: str, revision: str | None, model_dir: str | Path,
+                download_dir: str | Path) -> Path:
+    """The chart's `fetch-model` init container (`model.source: hub`): resolve the Hub
+    model into the Hugging Face cache `download_dir` (downloaded unless there already),
+    then point `model_dir`, a symlink, at its snapshot (replaced atomically, so pods
+    sharing one volume never see a half-made link). `model_dir`."""
+    snapshot = _snapshot(repo, revision or None, download_dir)
+    link = Path(model_dir)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    tmp.symlink_to(os.path.relpath(snapshot, link.parent))
+    os.replace(tmp, link)  # NOTE: refuses to replace a real directory
+    return link
 
 
 def served_name(model_dir: str | Path) -> str:
