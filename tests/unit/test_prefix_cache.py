@@ -284,3 +284,26 @@ def test_cache_keys_cross_the_wire_and_bad_ones_fail_their_sequence():
     msg.updates[0].cache_key_ends.append(48)
     _, (failure,) = dc.decode_draft_request(msg, limits)
     assert "3 cache_key_ends but 2 cache_keys" in failure.message
+
+
+def test_models_whose_hits_would_need_state_or_given_back_windows_do_not_cache():
+    """Recurrent states (not snapshotted per block) and windowed groups in their own
+    pools (blocks below the window given back) turn prefix caching off; the drafter's
+    windowed layers keep every position, so it caches them."""
+    import torch
+
+    from chainspec.engine.kv_budget import model_cache
+    from chainspec.models.cache_spec import PagedSpec, StateSpec
+    full, windowed = PagedSpec(2, 8), PagedSpec(2, 8, window=8)
+
+    def caching(specs, separate_windows=True) -> bool:
+        _, alloc, _ = model_cache(specs, _kv(16, True), 2, 64, 8, 4, torch.float32,
+                                  torch.device("cpu"), separate_windows)
+        return alloc.cache is not None
+    assert caching([full, full])
+    assert not caching([full, StateSpec(((4, 3),))])
+    assert not caching([full, windowed])
+    assert caching([full, windowed], separate_windows=False)  # the drafter's layout
+    _, off, _ = model_cache([full], _kv(16, False), 2, 64, 8, 4, torch.float32,
+                            torch.device("cpu"))
+    assert off.cache is None
