@@ -6,16 +6,19 @@ Hub id's name; a Hub id that is not cached is one line before anything starts.""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import urllib.request
 
 import pytest
+import ray
 
 from chainspec.engine.local import DEMO_MODEL
 from chainspec.models.tokenizer import Tokenizer
 from tests.hf_cache import add_to_cache
-from tests.integration.helpers import cli, plain_outputs, start_serve
+from tests.integration.helpers import Process, cli, plain_outputs
 
 pytestmark = pytest.mark.timeout(300)
 NS = "chainspec-hub-test"
@@ -43,8 +46,22 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
+def serve_positional(model: str, *extra: str) -> Process:
+    """`chainspec serve MODEL` (vLLM's positional form) on the session's Ray."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    served = Process([sys.executable, "-m", "chainspec.cli", "serve", model,
+                      "--address", ray.get_runtime_context().gcs_address, "--namespace", NS,
+                      "--port", str(port), "--max-model-len", "256", "--timeout", "240",
+                      *extra], dict(os.environ))
+    served.url = f"http://127.0.0.1:{port}"
+    served.wait_for("Ctrl-C stops it.", 240)
+    return served
+
+
 def test_serve_a_cached_hub_id_offline(ray_cluster, hub_cache, offline):
-    served = start_serve(REPO, NS, "--max-seqs", "4", "-k", "2")
+    served = serve_positional(REPO, "--max-num-seqs", "4", "-k", "2")
     try:
         assert "Ctrl-C stops it." in served.output(), served.output()
         with urllib.request.urlopen(f"{served.url}/v1/models", timeout=30) as r:
@@ -65,7 +82,7 @@ def test_serve_a_cached_hub_id_offline(ray_cluster, hub_cache, offline):
 
 
 def test_an_uncached_hub_id_offline_is_one_line(offline):
-    proc = subprocess.run([sys.executable, "-m", "chainspec.cli", "serve", "--model",
+    proc = subprocess.run([sys.executable, "-m", "chainspec.cli", "serve",
                            "chainspec-test/not-cached", "--dry-run"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
