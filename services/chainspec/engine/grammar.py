@@ -224,6 +224,35 @@ class GrammarMatcher:
         bitmask[filled:] = bitmask[filled - 1]
         return consumed
 
+    def guide(self, drafts: Sequence[int]) -> tuple[list[int], list[bool]]:
+        """Drafts for the next window, at most len(drafts): the drafter's until one the
+        grammar refuses (kept: the verifier rejects it with the residual), and where the
+        grammar forces text (xgrammar's jump-forward tokens) those tokens instead, after
+        which the drafter's, drafted for other text, are dropped. Returns (tokens, forced
+        per token); the matcher is left as it was.
+        NOTE: lossless only because every choice here depends on the drafts before a
+        position, never on the draft at it: cutting a refused draft itself would give
+        Leviathan's rule a proposal it did not sample from (caught by
+        tests/unit/test_distribution_grammar.py)."""
+        m, out, forced, taken = self._matcher, [], [], 0
+        while len(out) < len(drafts) and not m.is_terminated():
+            jump = m.find_jump_forward_tokens()
+            if jump:
+                for tok in jump[:len(drafts) - len(out)]:
+                    if not m.accept_token(tok):
+                        break
+                    taken += 1
+                    out.append(tok)
+                    forced.append(True)
+                break
+            out.append(drafts[len(out)])
+            forced.append(False)
+            if not m.accept_token(out[-1]):
+                break  # refused: the drafts after it are never reached
+            taken += 1
+        m.rollback(taken)
+        return out, forced
+
     def settle(self, consumed: int, accepted: int, next_token: int) -> None:
         """After acceptance: keep the `accepted` drafts, then take `next_token` (unless an
         accepted draft ended the grammar: the request ends there)."""

@@ -17,6 +17,7 @@ to the grammar's mask over the unprocessed logits: the grammar outranks min_toke
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -67,6 +68,32 @@ class GrammarMasks:
                                                 strict=True):
             if m is not None:
                 m.settle(consumed, accepted, nxt)
+
+
+def guide_drafts(requests: Sequence) -> None:
+    """Structured output's drafts (DESIGN 4.13): each grammar request's drafts are cut at
+    the first the grammar refuses, and where the grammar forces text its tokens replace
+    the rest (`GrammarMatcher.guide`), as point masses in q. NOTE: drafts change speed
+    only (acceptance decides every token), and a forced draft is a deterministic proposal,
+    so Leviathan's rule stays exact with q = 1 at it."""
+    for req in requests:
+        d = req.drafts
+        if req.grammar is None or d is None or d.tokens.shape[0] == 0:
+            continue
+        drafted = d.tokens.tolist()
+        tokens, forced = req.grammar.guide(drafted)
+        if tokens == drafted:
+            continue
+        n = len(tokens)
+        support, probs = (None, None) if d.support is None else \
+            (d.support[:n].clone(), d.probs[:n].clone())  # [n, k]
+        for i, is_forced in enumerate(forced):
+            if is_forced and support is not None:
+                support[i] = tokens[i]
+                probs[i] = 0.0
+                probs[i, 0] = 1.0
+        req.drafts = replace(d, tokens=torch.tensor(tokens, dtype=torch.int64),
+                             support=support, probs=probs)
 
 
 def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
