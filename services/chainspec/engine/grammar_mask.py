@@ -71,11 +71,11 @@ class GrammarMasks:
 
 
 def guide_drafts(requests: Sequence) -> None:
-    """Structured output's drafts (DESIGN 4.13): each grammar request's drafts are cut at
-    the first the grammar refuses, and where the grammar forces text its tokens replace
-    the rest (`GrammarMatcher.guide`), as point masses in q. NOTE: drafts change speed
-    only (acceptance decides every token), and a forced draft is a deterministic proposal,
-    so Leviathan's rule stays exact with q = 1 at it."""
+    """Structured output's drafts (DESIGN 4.13): each grammar request's drafts end at the
+    first the grammar refuses (which stays, to be rejected), and where the grammar forces
+    text its tokens replace the rest (`GrammarMatcher.guide`), as point masses in q.
+    NOTE: drafts change speed only (acceptance decides every token), and a forced draft
+    is a deterministic proposal, so Leviathan's rule stays exact with q = 1 at it."""
     for req in requests:
         d = req.drafts
         if req.grammar is None or d is None or d.tokens.shape[0] == 0:
