@@ -307,3 +307,23 @@ def test_models_whose_hits_would_need_state_or_given_back_windows_do_not_cache()
     _, off, _ = model_cache([full], _kv(16, False), 2, 64, 8, 4, torch.float32,
                             torch.device("cpu"))
     assert off.cache is None
+
+
+def test_latent_attention_family_is_lossless_with_hits(tmp_path):
+    """DeepSeek-V3 (MLA: a latent paged cache) with an MTP layer of its own kind: shared
+    prefixes hit in both engines and output is that of caching off."""
+    from chainspec.models.loader import load_draft_model, load_target
+    from tests.unit.families.deepseek_v3_checkpoint import write_with_mtp
+    write_with_mtp(tmp_path, agreeing=True)
+    target, draft = load_target(tmp_path), load_draft_model(tmp_path)
+    vocab = target.config.vocab_size
+    batch = [p[:vocab] for p in _shared_prompts(6, prefix_len=21, seed=7)]
+    batch = [[t % vocab for t in p] for p in batch]
+    got = {}
+    for caching in (False, True):
+        eng = engine(target, draft, k=2, max_seqs=2, chunk=5, kv=_kv(60, caching),
+                     drafter_kv=_kv(60, caching))
+        got[caching] = outputs(eng, batch, 12)[0]
+    assert got[True] == got[False]
+    assert eng.allocator.cache.hits > 0 and eng.drafter.engine.allocator.cache.hits > 0
+    assert eng.resyncs == 0
