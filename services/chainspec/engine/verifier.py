@@ -37,7 +37,6 @@ from chainspec.engine.draft_types import (
 )
 from chainspec.engine.grammar import start_grammar
 from chainspec.engine.grammar_mask import guide_drafts
-from chainspec.engine.grammar_mask import guide_drafts
 from chainspec.engine.kv_budget import KVBudget, model_cache
 from chainspec.engine.observer import VerifierObserver, VerifierStepRecord
 from chainspec.engine.request import FinishReason, Request, RequestOutput, StopConditions
@@ -203,8 +202,6 @@ class VerifierEngine(DraftProtocol):
         self._collect_drafts(group)
         if not self.config.draft_ahead:  # NOTE: look-aheads build on the drafter's own drafts
             guide_drafts(group)  # structured output: text the grammar forces is drafted
-        if not self.config.draft_ahead:  # NOTE: look-aheads build on the drafter's own drafts
-            guide_drafts(group)  # structured output: cut or forced by the grammar
         drafts_ready = time.perf_counter()
         outputs = self._reap()
         group = [r for r in group if not r.finished]
