@@ -11,6 +11,7 @@ stack) and uses the stack's service token unless one is given.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -85,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
     from chainspec.serving.runner import LoopThread
 
     chat = ChatTemplate.from_model_dir(args.model, config.chat_template)  # NOTE: fails first
+    from chainspec.gateway.generation_config import sampling_defaults
+
+    config = dataclasses.replace(config, sampling_defaults=sampling_defaults(
+        config.generation_config, args.model))
     lost = threading.Event()
     token = read_token(args)
     if source is None:

@@ -112,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     if config.gateway.chat_template:  # a missing file or broken template: before Ray too
         from chainspec.gateway.chat_template import ChatTemplate
         ChatTemplate.from_model_dir(None, config.gateway.chat_template)
+    from chainspec.gateway.generation_config import sampling_defaults
+
+    model_dir = config.stack.model_dir if Path(config.stack.model_dir).is_dir() else None
+    sampling_defaults(config.gateway.generation_config, model_dir)  # a bad one: before Ray
     if args.dry_run:
         print(json.dumps({"command": "serve", "config": config.describe()}, indent=2))
         return 0

@@ -149,6 +149,9 @@ GATEWAY_FLAGS = (
     StackFlag("gateway.max_in_flight", ("--max-in-flight",)),
     StackFlag("gateway.trust_request_chat_template", ("--trust-request-chat-template",)),
     StackFlag("gateway.chat_template", ("--chat-template",), {"metavar": "FILE|TEMPLATE"}),
+    StackFlag("gateway.generation_config", ("--generation-config",),
+              {"metavar": "auto|vllm|DIR"}),
+    StackFlag("gateway.max_logprobs", ("--max-logprobs",)),
 )
 ROWS = {row.key: row for row in (*STACK_FLAGS, *GATEWAY_FLAGS)}
 

@@ -83,6 +83,19 @@ class Gateway:
         raise APIError(404, f"model: {model_id!r} does not exist; this server serves "
                             f"{served}", "invalid_request_error", "model", "model_not_found")
 
+    def request_params(self, body: Any) -> Any:
+        """The body with --generation-config's defaults for the fields it leaves unset,
+        after --max-logprobs (a 400 naming the field)."""
+        unset = {k: v for k, v in self.config.sampling_defaults
+                 if k not in body.model_fields_set}
+        body = body.model_copy(update=unset) if unset else body
+        asked = body.num_logprobs
+        if asked is not None and asked > self.config.max_logprobs:
+            field = "top_logprobs" if "top_logprobs" in type(body).model_fields else "logprobs"
+            raise invalid(field, f"must be <= {self.config.max_logprobs} (--max-logprobs), "
+                                 f"got {asked}")
+        return body
+
     def resolve_model(self, requested: str | None) -> str:
         names = self.model_names()
         if not names:

@@ -34,6 +34,11 @@ class GatewayConfig:
     max_n: int = _g("max_n")  # choices (`n`) one request may ask for; more is a 400
     trust_request_chat_template: bool = _g("trust_request_chat_template")  # (vLLM)
     chat_template: str | None = _g("chat_template")  # --chat-template: file or text
+    generation_config: str = _g("generation_config")  # auto | vllm | DIR
+    max_logprobs: int = _g("max_logprobs")  # a larger logprobs/top_logprobs is a 400
+    # what `generation_config` resolved to (gateway/generation_config.py), set at start:
+    # (request field, default) pairs for requests that leave the field unset
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_name, str):  # one name ("": none)

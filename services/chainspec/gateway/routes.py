@@ -30,7 +30,7 @@ def _gateway(request: Request) -> Gateway:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     gateway = _gateway(request)
-    body = parse(CompletionRequest, await read_json(request))
+    body = gateway.request_params(parse(CompletionRequest, await read_json(request)))
     await structured_output.check(body.grammar_spec())
     prompt = body.prompt_value()
     model = gateway.resolve_model(body.model)
@@ -43,7 +43,7 @@ async def completions(request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     gateway = _gateway(request)
-    body = parse(ChatCompletionRequest, await read_json(request))
+    body = gateway.request_params(parse(ChatCompletionRequest, await read_json(request)))
     await structured_output.check(body.grammar_spec())
     prompt = await gateway.chat.render(
         [Turn(m.role, m.text()) for m in body.messages], body.generation_prompt,

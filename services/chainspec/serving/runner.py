@@ -10,6 +10,7 @@ demo's requests.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shlex
 import threading
@@ -18,6 +19,7 @@ from typing import Any
 
 from chainspec.cluster import stack
 from chainspec.gateway.chat_template import ChatTemplate
+from chainspec.gateway.generation_config import sampling_defaults
 from chainspec.gateway.membership import ControllerVerifiers
 from chainspec.gateway.server import GatewayServer
 from chainspec.serving.config import ServeConfig
@@ -88,8 +90,10 @@ class ServingStack:
         model_dir = c.stack.model_dir if Path(c.stack.model_dir).is_dir() else None
         chat = ChatTemplate.from_model_dir(model_dir, c.gateway.chat_template)
         source = ControllerVerifiers(controller, on_lost=self.lost.set)
+        gateway = dataclasses.replace(c.gateway, sampling_defaults=sampling_defaults(
+            c.gateway.generation_config, model_dir))
         self.gateway = self.loop.run(GatewayServer.start(
-            c.gateway, source, chat, running.client_options()))
+            gateway, source, chat, running.client_options()))
         # NOTE: a local-mode verifier reports its in-process drafter as one connected
         want = 1 if c.stack.drafter.replicas > 0 or c.stack.drafter.local else 0
         progress.step(f"gateway listening on {self.url}; waiting for a verifier to serve"

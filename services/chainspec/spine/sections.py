@@ -186,6 +186,12 @@ class GatewaySection(Section):
     trust_request_chat_template: bool = option(
         False, "honour a request's own chat_template (default: refused with a 400; every "
         "template runs sandboxed, time- and size-limited)", chart="trustRequestChatTemplate")
+    generation_config: str = option(
+        "auto", "sampling defaults of requests that set none: auto (the model's "
+        "generation_config.json, as in vLLM), vllm (none: OpenAI's), or a directory's",
+        min_length=1)
+    max_logprobs: int = option(20, "most logprobs (top_logprobs) a request may ask for",
+                               ge=0, le=20)
     chat_template: str | None = option(
         None, "the chat template (a file, or the template itself) instead of the model's "
         "(default: the model's own)", min_length=1)
