@@ -165,6 +165,21 @@ def test_completions_greedy_equal_plain_decoding(client, model_dir, plain) -> No
     assert complete(client, "hello world").choices[0].text == plain[1]
 
 
+def test_a_repeated_prefix_is_read_from_both_caches(client, stack, model_dir) -> None:
+    """Prefix caching through HTTP (DESIGN 4.12): the second request with the same long
+    prefix reports usage.prompt_tokens_details.cached_tokens, the remote drafter reads
+    its MTP KV from its cache, and the text is what the first request got."""
+    prefix = [(5 * i) % 200 + 3 for i in range(70)]  # 4 full blocks, then a tail
+    first = complete(client, prefix + [7])
+    hits = stack.drafter_engine.allocator.cache.hits
+    again = complete(client, prefix + [7])
+    assert again.choices[0].text == first.choices[0].text
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == 48  # 4 blocks of 16 below the last row, the last left to the drafter
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert stack.drafter_engine.allocator.cache.hits == hits + 48
+
+
 def test_streaming_equals_whole(client, model_dir, plain) -> None:
     chunks = list(complete(client, prompt_ids(model_dir)[0], stream=True,
                            stream_options={"include_usage": True}))
