@@ -57,7 +57,7 @@ def test_token_comes_from_a_file_or_an_env_var_and_is_never_printed(
     (["--tls-cert", "c.pem"], "tls_cert and tls_key go together"),
     (["--tls-client-ca", "ca.pem"], "needs tls_cert"),
     (["--port", "-1"], "port"),
-    (["--dtype", "float32", "-k", "0"], "num_steps"),
+    (["--dtype", "float32", "-k", "0"], "--num-speculative-tokens: input should be greater"),
 ])
 def test_dry_run_rejects_bad_arguments(capsys, argv, message) -> None:
     assert main(["drafter", "--dry-run", *argv]) == 2
