@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from chainspec.engine.graph_runner import GraphKey
 from chainspec.engine.tp_packing import pack, unpack
+from chainspec.engine.verify_graphs import VerifyGraphs
 from chainspec.models.attention import AttnBatch, DenseCausal, PagedAttention, PagedGroup
 from chainspec.models.cache_spec import StateSpec
 from chainspec.models.kv_cache import ModelKVCache
@@ -37,6 +39,7 @@ from chainspec.models.tensor_parallel import TPGroup
 
 COLLECTIVE_TIMEOUT_S = 60.0
 IDLE_TIMEOUT_S = 600.0
+RENDEZVOUS_TIMEOUT_S = 60.0
 HEARTBEAT_S = 2.0  # an idle group's rank 0 asks every rank for an answer this often
 HEARTBEAT_TAG = 0x4842
 CHUNK = 4096  # rows per message of the fingerprint stream
@@ -91,6 +94,7 @@ class Channel:
         self.failure: str | None = None
         self.unresponsive: frozenset[int] = frozenset()
         self.heartbeats = 0  # answered by every rank
+        self._sent = False
         if tp.rank == 0 and tp.world > 1:
             every = min(heartbeat_s, idle_timeout_s / 3)
             threading.Thread(target=self._heartbeats, args=(every,), name="tp-heartbeat",
@@ -99,7 +103,8 @@ class Channel:
     def _heartbeats(self, every_s: float) -> None:
         while not self._closed and self.failure is None:
             time.sleep(min(every_s / 4, 1.0))
-            if time.monotonic() - self._last_send > every_s:
+            # NOTE: from rank 0's first message on: before it, the ranks may still load
+            if self._sent and time.monotonic() - self._last_send > every_s:
                 try:
                     self.heartbeat()
                 except RuntimeError:  # a lost peer: recorded, the next step reports it
@@ -111,22 +116,32 @@ class Channel:
         with self._lock:
             if self._closed:
                 return
-            self._send(pack(("ping",)))
-            answers = {r: torch.zeros(1, dtype=torch.int64) for r in range(1, self.tp.world)}
-            works = {r: self.group.recv([t], r, HEARTBEAT_TAG) for r, t in answers.items()}
-            deadline = time.monotonic() + self.send_timeout.total_seconds()
-            silent = []
-            for r, work in works.items():
-                try:
-                    work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
-                except RuntimeError:
-                    silent.append(r)
+            ranks = range(1, self.tp.world)
+            try:
+                self._send(pack(("ping",)))
+            except RuntimeError:  # not even the ping went out: no rank is known alive
+                silent = list(ranks)
+            else:
+                silent = self._silent(ranks)
             if silent:
                 self.unresponsive = frozenset(silent)
                 self.failure = (f"tensor-parallel rank(s) {silent} did not answer the "
                                 f"heartbeat within {self.send_timeout.total_seconds():g}s")
                 raise RuntimeError(self.failure)
             self.heartbeats += 1
+
+    def _silent(self, ranks: range) -> list[int]:
+        """The ranks whose answer does not come within the step timeout."""
+        answers = {r: torch.zeros(1, dtype=torch.int64) for r in ranks}
+        works = {r: self.group.recv([t], r, HEARTBEAT_TAG) for r, t in answers.items()}
+        deadline = time.monotonic() + self.send_timeout.total_seconds()
+        silent = []
+        for r, work in works.items():
+            try:
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
+            except RuntimeError:
+                silent.append(r)
+        return silent
 
     def answer(self) -> None:
         """A rank > 0, on a ping: tell rank 0 this rank runs."""
@@ -158,7 +173,7 @@ class Channel:
         slab[:8].view(torch.int64)[0] = data.numel()
         first = min(data.numel(), SLAB - 8)
         slab[8:8 + first] = data[:first]
-        self._last_send = time.monotonic()
+        self._last_send, self._sent = time.monotonic(), True
         self._broadcast(slab, self.send_timeout)
         if data.numel() > first:
             self._broadcast(data[first:].clone(), self.send_timeout)
@@ -175,13 +190,18 @@ class Channel:
 
 
 def join(address: GroupAddress, rank: int) -> tuple[TPGroup, Channel]:
-    """Join the group as `rank`: the step group and the command channel."""
-    dist.init_process_group(address.backend, init_method=f"tcp://{address.host}:"
-                            f"{address.port}", rank=rank, world_size=address.world,
+    """Join the group as `rank`: the step group and the command channel. Meeting waits
+    up to `RENDEZVOUS_TIMEOUT_S` (the ranks start and import at their own pace); the
+    step timeout starts with the first collective."""
+    store = dist.TCPStore(address.host, address.port, address.world, is_master=rank == 0,
+                          timeout=timedelta(seconds=max(RENDEZVOUS_TIMEOUT_S,
+                                                        address.collective_timeout_s)))
+    dist.init_process_group(address.backend, store=store, rank=rank,
+                            world_size=address.world,
                             timeout=timedelta(seconds=address.collective_timeout_s))
     commands = dist.new_group(backend="gloo",
                               timeout=timedelta(seconds=address.idle_timeout_s))
-    tp = TPGroup(rank, address.world)
+    tp = TPGroup(rank, address.world, backend=address.backend)
     return tp, Channel(tp, commands, address.collective_timeout_s, address.idle_timeout_s,
                        address.heartbeat_s)
 
@@ -279,17 +299,29 @@ class TPLeader(nn.Module):
 
     @property
     def graph_safe(self) -> bool:
-        return False  # NOTE: collectives are not captured yet (issue 22 item 1)
+        """A CUDA graph may capture the shard's forward when the group's collectives are
+        NCCL's (device work a graph records; gloo's run on the host: eager) and its
+        layers are graph safe. The step's inputs go to the other ranks outside the graph
+        (`graph_peers`)."""
+        return self.tp.backend == "nccl" and self.shard.graph_safe
+
+    @property
+    def graph_peers(self) -> GraphPeers:
+        return GraphPeers(self)
 
     def cache_specs(self):
         return self.shard.cache_specs()
 
+    def send_cache(self, cache: ModelKVCache) -> None:
+        """The cache's geometry to the other ranks, once per cache."""
+        if cache is not self._cache:
+            self._cache = cache
+            self.channel.send(("cache", cache_geometry(cache)))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend
                 ) -> torch.Tensor:
         if isinstance(backend, PagedAttention):
-            if backend.cache is not self._cache:
-                self._cache = backend.cache
-                self.channel.send(("cache", cache_geometry(backend.cache)))
+            self.send_cache(backend.cache)
             self.channel.send(("paged", input_ids, backend.batch,
                                backend.scale))
         elif isinstance(backend, DenseCausal):
@@ -310,6 +342,29 @@ class TPLeader(nn.Module):
 
     def close(self) -> None:
         self.channel.send(("stop",))
+
+
+class GraphPeers:
+    """A TP leader's verify graphs on the other ranks (`engine/verify_graphs.py`): `model`
+    is what this rank runs or captures (the shard, whose all-reduces are the graph's only
+    collectives); `setup` has every other rank build the same static buffers and capture
+    the same buckets in the same order; `replay` sends a bucket's filled view (host work,
+    outside any graph) for them to copy into their buffers and replay alongside."""
+
+    def __init__(self, leader: TPLeader) -> None:
+        self.leader = leader
+
+    @property
+    def model(self) -> nn.Module:
+        return self.leader.shard
+
+    def setup(self, cache: ModelKVCache, max_seqs: int, num_steps: int, max_len: int,
+              capture: bool) -> None:
+        self.leader.send_cache(cache)
+        self.leader.channel.send(("graphs", max_seqs, num_steps, max_len, capture))
+
+    def replay(self, batch_size: int, ids: torch.Tensor, batch: AttnBatch) -> None:
+        self.leader.channel.send(("replay", batch_size, ids, batch))
 
 
 class DraftLeader(nn.Module):
@@ -365,6 +420,7 @@ def follow(shard: nn.Module, channel: Channel, device: torch.device | str = "cpu
     """A rank > 0: run rank 0's calls on this shard until it says stop; returns the
     number of forwards run."""
     cache: ModelKVCache | None = None
+    graphs = None  # VerifyGraphs of this rank's shard, once rank 0 sets them up
     forwards = 0
 
     def move(t: torch.Tensor) -> torch.Tensor:
@@ -393,6 +449,16 @@ def follow(shard: nn.Module, channel: Channel, device: torch.device | str = "cpu
                 _, step, tokens, prev, positions, batch, scale = msg
                 shard.step(step, move(tokens), move(prev), move(positions),
                            PagedAttention(cache, _batch_to(batch, move), scale))
+                forwards += 1
+            elif kind == "graphs":
+                _, max_seqs, num_steps, max_len, capture = msg
+                graphs = VerifyGraphs(shard, cache, max_seqs, num_steps, max_len,
+                                      use_graphs=capture, static_on_cpu=True)
+                graphs.capture()
+            elif kind == "replay":
+                _, size, ids, batch = msg
+                graphs.buffers.fill(move(ids), _batch_to(batch, move), size)
+                graphs.launch(GraphKey(size))
                 forwards += 1
             elif kind == "fingerprint":
                 _send_rows(shard)

@@ -23,7 +23,7 @@ from chainspec.models.attention import AttnBatch, PagedGroup
 from chainspec.models.recurrent import StateRows
 
 KINDS = ("stop", "ping", "paged", "dense", "logits", "draft_step", "draft_logits",
-         "fingerprint", "cache")
+         "fingerprint", "cache", "graphs", "replay")
 PICKLED = -1
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.float64)

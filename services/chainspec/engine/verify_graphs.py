@@ -13,6 +13,12 @@ On CUDA the forward is captured per bucket and replayed when the model is `graph
 (no layer reads host-side step data: the GDN torch reference loops over host spans, a
 captured graph would freeze them); elsewhere (and for tests on CPU) the same view runs
 eagerly. Both call `verify_forward`. Prefill chunks always take the eager packed path.
+
+A TP leader (`engine/tp_group.TPLeader`) brings `graph_peers`: this rank captures its
+shard (the all-reduces inside are the graph's only collectives; graph safe on NCCL only),
+every other rank allocates the same buffers and captures the same buckets in the same
+order, and each step the leader sends the bucket's filled view to them (host work,
+outside the graph) before all replay together.
 """
 
 from __future__ import annotations
@@ -130,6 +136,23 @@ class StaticVerifyBuffers:
             buf[:len(host)].copy_(torch.tensor(host))
         self._state_host = (tuple(spans), tuple(slots), tuple(src), tuple(keep))
 
+    def fill(self, ids: torch.Tensor, batch: AttnBatch, batch_size: int) -> None:
+        """Copy another rank's `view(batch_size)` (a TP leader's step) into these buffers."""
+        own_ids, own = self.view(batch_size)
+        own_ids.copy_(ids)
+        own.positions.copy_(batch.positions)
+        own.row_seq.copy_(batch.row_seq)
+        for key, g in self.groups.items():
+            src = batch.group(key)
+            g.slot_mapping[:src.slot_mapping.shape[0]].copy_(src.slot_mapping)
+            g.block_tables[:batch_size].copy_(src.block_tables)
+        if self.states is not None:
+            s = batch.states
+            for buf, src in zip(self.states, (s.seq_starts, s.slot_ids, s.src_rows,
+                                               s.keep_flags), strict=True):
+                buf[:src.shape[0]].copy_(src)
+            self._state_host = (s.spans, s.slots, s.src, s.keep)
+
     def view(self, batch_size: int) -> tuple[torch.Tensor, AttnBatch]:
         """This bucket's ids and batch (call `prepare` with the same size first)."""
         n = batch_size * self.rows_per_seq
@@ -152,8 +175,13 @@ class VerifyGraphs:
                  num_steps: int, max_len: int, use_graphs: bool,
                  static_on_cpu: bool = False) -> None:
         self.model, self.cache = model, cache
+        # a TP leader's other ranks: they fill their buffers and replay alongside
+        self.peers = getattr(model, "graph_peers", None)
+        self.compute = model if self.peers is None else self.peers.model  # run or captured
+        self.num_steps, self.max_len = num_steps, max_len
         device = next(model.parameters()).device
         max_seqs = min(max_seqs, MAX_GRAPH_BATCH)
+        self.max_seqs = max_seqs
         self.buffers = StaticVerifyBuffers(max_seqs, num_steps, max_len, cache.block_size,
                                            device, cache.windows, cache.has_states)
         self.buckets = default_buckets(max_seqs)
@@ -177,7 +205,11 @@ class VerifyGraphs:
         return GraphKey(next(b for b in self.buckets if b >= num_seqs))
 
     def capture(self) -> None:
-        """Every bucket, largest first, one shared memory pool; padding only (no KV writes)."""
+        """Every bucket, largest first, one shared memory pool; padding only (no KV writes).
+        A TP leader's peers set up the same buffers (and capture alongside) first."""
+        if self.enabled and self.peers is not None:
+            self.peers.setup(self.cache, self.max_seqs, self.num_steps, self.max_len,
+                             self.use_graphs)
         if not self.use_graphs:
             return
         pool = None
@@ -187,11 +219,11 @@ class VerifyGraphs:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                verify_forward(self.model, self.cache, ids, batch)  # warm-up
+                verify_forward(self.compute, self.cache, ids, batch)  # warm-up
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = verify_forward(self.model, self.cache, ids, batch)
+                hidden = verify_forward(self.compute, self.cache, ids, batch)
             pool = graph.pool()
             self.graphs[GraphKey(size)] = (graph, hidden)
 
@@ -202,12 +234,20 @@ class VerifyGraphs:
         verifier reads it (acceptance, drafter updates) within the same step."""
         key = self.dispatch(len(work))
         offsets = self.buffers.prepare(work, key.batch_size)
+        return self.launch(key), offsets
+
+    def launch(self, key: GraphKey) -> torch.Tensor:
+        """Replay `key`'s graph, or run its view eagerly, over the filled buffers; a TP
+        leader first sends the view to its peers (outside the graph)."""
+        ids, batch = self.buffers.view(key.batch_size)
+        if self.peers is not None:
+            self.peers.replay(key.batch_size, ids, batch)
         captured = self.graphs.get(key)
         if captured is not None:
             graph, hidden = captured
             graph.replay()
             self.replays += 1
         else:
-            hidden = verify_forward(self.model, self.cache, *self.buffers.view(key.batch_size))
+            hidden = verify_forward(self.compute, self.cache, ids, batch)
             self.eager_runs += 1
-        return hidden, offsets
+        return hidden

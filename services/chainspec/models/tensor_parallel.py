@@ -69,6 +69,7 @@ class TPGroup:
     rank: int
     world: int
     group: object | None = None
+    backend: str = "gloo"  # "nccl": collectives a CUDA graph can capture
     stats: CollectiveStats = field(default_factory=CollectiveStats)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
