@@ -28,8 +28,11 @@ from tests.unit.test_stack_flags import argv_of as flag_argv
 PARSER, _ = build_parser()
 ROWS = {flag.key: flag for flag in STACK_FLAGS}
 # NOTE: gpu_memory_utilization needs a GPU member, which these commands get from --device
-# (serve and up from --verifier-gpus): test_gpu_memory_utilization_needs_a_gpu
-SHARED = sorted((set(DRAFTER_KEYS) | set(VERIFIER_KEYS)) - {"gpu_memory_utilization"})
+# (serve and up from --verifier-gpus): test_gpu_memory_utilization_needs_a_gpu; revision
+# and download_dir only pick a Hub id's snapshot (tests/unit/test_hub.py), so over a
+# directory they change no engine option
+SHARED = sorted((set(DRAFTER_KEYS) | set(VERIFIER_KEYS))
+                - {"gpu_memory_utilization", "revision", "download_dir"})
 
 
 def argv_of(key: str, name: str | None = None) -> list[str]:

@@ -28,7 +28,8 @@ from chainspec.spine.sections import default as spine_default
 # given as the form that is not the default; a new STACK_FLAGS row without an example
 # here fails `test_every_flag_has_an_example`)
 EXAMPLES = {
-    "model": "/models/x", "num_speculative_tokens": "4", "chain": None,
+    "model": "/models/x", "revision": "v1", "download_dir": "/hf-cache",
+    "num_speculative_tokens": "4", "chain": None,
     "speculative_config": '{"method": "mtp", "num_speculative_tokens": 2}',
     "max_num_seqs": "5", "drafter_max_num_seqs": "7", "max_model_len": "512",
     "dtype": "bfloat16", "kv_cache_memory_bytes": "1048576", "kv_cache_fraction": "0.5",

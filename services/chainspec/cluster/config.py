@@ -116,7 +116,9 @@ class StackConfig:
     Field names are the engine's; the file/flag names are the spine's (max_seqs is
     max_num_seqs, max_len max_model_len, ...)."""
 
-    model_dir: str = _s("model")
+    model_dir: str = _s("model")  # a directory, or a Hub id (commands/hub_args.py)
+    revision: str | None = _s("revision")  # of a Hub id
+    download_dir: str | None = _s("download_dir")  # the Hugging Face cache for Hub ids
     num_steps: int = _s("num_speculative_tokens")  # K
     chain: bool = _s("chain")
     max_seqs: int = _s("max_num_seqs")  # sequence slots per verifier

@@ -10,14 +10,15 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from chainspec.commands.hub_args import add_hub_args, local_model
+from chainspec.commands.hub_args import local_model
 from chainspec.commands.stack_flags import add_flags, flags_config
 
 if TYPE_CHECKING:
     from chainspec.engine.options import LocalOptions
 
 # the stack flags of one engine (spine keys); a service command adds its own
-ENGINE_KEYS = ("model", "num_speculative_tokens", "chain", "speculative_config",
+ENGINE_KEYS = ("model", "revision", "download_dir", "num_speculative_tokens", "chain",
+               "speculative_config",
                "max_num_seqs", "max_model_len", "dtype", "kv_cache_memory_bytes",
                "kv_cache_fraction", "gpu_memory_utilization", "block_size", "draft_top_k",
                "enforce_eager", "enable_prefix_caching", "seed")
@@ -40,7 +41,6 @@ VERIFIER_ALIASES = {"grpc_host": ("--host",)}
 def add_model_args(p: argparse.ArgumentParser, keys: Sequence[str] = ENGINE_KEYS,
                    aliases: dict[str, tuple[str, ...]] | None = None) -> None:
     add_flags(p, keys, aliases)
-    add_hub_args(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a CPU, models of the demo's "
@@ -54,6 +54,6 @@ def local_options(args: argparse.Namespace, role: str = "verifier") -> LocalOpti
         import torch
 
         torch.set_num_threads(args.threads)
-    config = local_model(flags_config(args), args)  # a Hub id: its local snapshot
+    config = local_model(flags_config(args))  # a Hub id: its local snapshot
     return dataclasses.replace(config.local_options(role), device=args.device,
                                dtype=config.dtype)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chainspec.commands.help_format import DefaultsHelpFormatter
-from chainspec.commands.hub_args import add_hub_args, local_model
+from chainspec.commands.hub_args import local_model
 from chainspec.commands.signals import until_stopped
 from chainspec.commands.stack_flags import (
     GATEWAY_FLAGS,
@@ -49,7 +49,6 @@ def add_parser(sub) -> list[str]:
                        description=__doc__, formatter_class=DefaultsHelpFormatter)
     add_model_positional(p)
     add_stack_args(p)
-    add_hub_args(p)
     p.add_argument("--address", help="join the Ray cluster at this address "
                                      "(default: an embedded local Ray)")
     add_gateway_flags(p)
@@ -103,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from chainspec.cluster.plain_target import check_stack_model, serve_plainly
 
     config = resolve(args)
-    config = dataclasses.replace(config, stack=local_model(config.stack, args))  # a Hub id
+    config = dataclasses.replace(config, stack=local_model(config.stack))  # a Hub id
     plain, warning = serve_plainly(config.stack)
     if warning:  # a model without MTP modules: no drafters
         config = dataclasses.replace(config, stack=plain)

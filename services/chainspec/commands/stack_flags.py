@@ -93,6 +93,8 @@ def _row(key: str, *aliases: str, **options: Any) -> StackFlag:
 
 STACK_FLAGS = (
     _row("model", metavar="MODEL"),
+    _row("revision"),
+    _row("download_dir", metavar="DIR"),
     StackFlag("num_speculative_tokens", ("--num-speculative-tokens", "-k"),
               {"metavar": "K"}),
     _row("chain"),

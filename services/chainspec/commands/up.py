@@ -20,7 +20,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from chainspec.commands.hub_args import add_hub_args, local_model
+from chainspec.commands.hub_args import local_model
 from chainspec.commands.server_args import jsonable
 from chainspec.commands.signals import until_stopped
 from chainspec.commands.stack_args import print_members, stack_config
@@ -36,7 +36,6 @@ def add_parser(sub) -> list[str]:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_positional(p)
     add_stack_args(p, aliases={"grpc_host": ("--host",)})  # serve's --host is the HTTP one
-    add_hub_args(p)
     p.add_argument("--address", default=None,
                    help="join the Ray cluster at this address (default: embedded local Ray)")
     p.add_argument("--detach", action="store_true", help="return once the stack is ready")
@@ -53,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from chainspec.cluster import stack
     from chainspec.cluster.plain_target import check_stack_model, serve_plainly
 
-    config, warning = serve_plainly(local_model(stack_config(args), args))  # a Hub id
+    config, warning = serve_plainly(local_model(stack_config(args)))  # a Hub id
     if warning:
         print(f"chainspec up: warning: {warning}", file=sys.stderr, flush=True)
     check_stack_model(config, must_exist=args.address is None)  # before Ray

@@ -87,6 +87,11 @@ class StackSection(Section):
 
     model: str = option(str(DEMO_MODEL), "model directory (default: the bundled demo "
                         "model)", field="model_dir")
+    revision: str | None = option(None, "branch, tag or commit of a Hub model id given as "
+                                  "the model (default: main)", min_length=1)
+    download_dir: str | None = option(None, "Hugging Face cache to read and download Hub "
+                                      "models into (default: HF_HUB_CACHE, "
+                                      "~/.cache/huggingface/hub)", min_length=1)
     num_speculative_tokens: int = option(3, "draft tokens per round (K)", ge=1,
                                          field="num_steps", chart="numSpeculativeTokens")
     chain: bool = option(True, "each MTP step reads the previous one's output (chain); "
