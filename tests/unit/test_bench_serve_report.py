@@ -129,7 +129,8 @@ def test_markdown_has_one_row_per_point_and_spec_plain_ratios() -> None:
 def test_bench_keeps_its_flags_and_gains_serve() -> None:
     parser, _ = build_parser()
     old = parser.parse_args(["bench", "--json", "-k", "3"])
-    assert (old.bench_mode, old.json, old.stack_num_steps, old.prompts) == (None, True, 3, 20)
+    assert (old.bench_mode, old.json, old.stack_num_speculative_tokens, old.prompts) == (
+        None, True, 3, 20)
     new = parser.parse_args(["bench", "serve", "--concurrency", "1,2,4,8", "--compare-plain",
                              "--goodput", "ttft:500"])
     assert new.bench_mode == "serve" and new.concurrency == [1, 2, 4, 8]
