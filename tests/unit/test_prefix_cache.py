@@ -327,3 +327,24 @@ def test_latent_attention_family_is_lossless_with_hits(tmp_path):
     assert got[True] == got[False]
     assert eng.allocator.cache.hits > 0 and eng.drafter.engine.allocator.cache.hits > 0
     assert eng.resyncs == 0
+
+
+def test_a_drafter_miss_asks_for_a_resync_and_a_full_drafter_refuses(pair):
+    import torch
+
+    from chainspec.engine.draft_types import ErrorCode, SeqUpdate
+    from chainspec.engine.drafter import DrafterConfig, DrafterEngine
+    _, draft = pair
+    eng = DrafterEngine(draft, DrafterConfig(num_steps=3, max_seqs=1, max_len=64,
+                                             kv=_kv(32, True)))
+    h = draft.config.hidden_size
+    keys = tuple((e, bytes([e]) * 16) for e in (4, 8))  # never cached
+    (miss,) = eng.update([SeqUpdate(1, 8, (5, 6), torch.randn(2, h), cache_keys=keys)])
+    assert miss.code == ErrorCode.FAILED_PRECONDITION and 1 not in eng.seqs
+    assert (eng.allocator.cache.queries, eng.allocator.cache.hits) == (8, 0)
+    eng.update([SeqUpdate(2, 0, (1, 2, 3), torch.randn(3, h))])  # takes the only slot
+    (full,) = eng.update([SeqUpdate(3, 8, (5, 6), torch.randn(2, h), cache_keys=keys)])
+    assert full.code == ErrorCode.RESOURCE_EXHAUSTED and 3 not in eng.seqs
+    # a decode update of a sequence the drafter lost is no prefix lookup
+    (lost,) = eng.update([SeqUpdate(4, 9, (5,), torch.randn(1, h))])
+    assert lost.code == ErrorCode.FAILED_PRECONDITION and eng.allocator.cache.queries == 8

@@ -220,16 +220,17 @@ class DrafterEngine:
 
     def _open_window(self, upd: SeqUpdate) -> tuple[Window | None, SeqFailure | None]:
         state = self.seqs.get(upd.seq_id)
+        opens = upd.start == 0 or (state is None and upd.opens_from_cache)
+        if opens and state is None and len(self.seqs) >= self.config.max_seqs:
+            return None, SeqFailure(upd.seq_id, ErrorCode.RESOURCE_EXHAUSTED,
+                                    f"drafter is full ({self.config.max_seqs} sequences)")
         if upd.start == 0:  # a new sequence, or a resync from scratch
             if state is None:
-                if len(self.seqs) >= self.config.max_seqs:
-                    return None, SeqFailure(upd.seq_id, ErrorCode.RESOURCE_EXHAUSTED,
-                                            f"drafter is full ({self.config.max_seqs} sequences)")
                 state = _SeqState(_signed64(upd.sampling.seed))
                 self.seqs[upd.seq_id] = state
             state.blocks.release(self.allocator)  # NOTE: some may be shared: write fresh ones
             state.next_start, state.hist_hidden, state.hist_tokens = 0, None, None
-        elif state is None and self._restore(upd):
+        elif opens and self._restore(upd):  # a prefix the verifier read from its cache
             state = self.seqs[upd.seq_id]
         elif state is None or upd.start != state.next_start:
             expected = None if state is None else state.next_start
@@ -260,7 +261,7 @@ class DrafterEngine:
         KV was computed from the committed tokens the key covers), and the window starts
         at `start`, so no row below it is written again."""
         cache, bs = self.allocator.cache, self.allocator.block_size
-        if cache is None or len(self.seqs) >= self.config.max_seqs:
+        if cache is None:
             return False
         keys = dict(upd.cache_keys)
         blocks = [cache.lookup(keys[e]) if e in keys else None
