@@ -30,7 +30,7 @@ import torch
 from chainspec.engine.local import DEMO_MODEL
 from chainspec.engine.tp_group import GroupAddress, TPLeader, follow, join, leave, one_thread
 from chainspec.models.attention import AttnBatch, PagedAttention, SeqRows
-from chainspec.models.config import ModelConfig
+from chainspec.models.config import ModelConfig, read_hf_config
 from chainspec.models.kv_cache import ModelKVCache
 from chainspec.models.loader import load_target
 from chainspec.models.target import TargetModel
@@ -117,9 +117,23 @@ def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _follower(address: GroupAddress, shape: str, layers: int) -> None:
+def all_reduce_floor(tp: TPGroup, rows: int, hidden: int, repeats: int = 200) -> float:
+    """Seconds of one all-reduce of [rows, hidden] fp32 with nothing else running (both
+    ranks call it back to back): the transport's latency on this machine."""
+    x = torch.zeros(rows, hidden)
+    for _ in range(20):
+        tp.all_reduce(x)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        tp.all_reduce(x)
+    return (time.perf_counter() - t0) / repeats
+
+
+def _follower(address: GroupAddress, shape: str, layers: int, rows: int, hidden: int
+              ) -> None:
     one_thread()
     tp, channel = join(address, 1)
+    all_reduce_floor(tp, rows, hidden)
     try:
         follow(build(shape, layers, tp), channel)
     finally:
@@ -128,15 +142,21 @@ def _follower(address: GroupAddress, shape: str, layers: int) -> None:
 
 def run_tp(shape: str, layers: int, seqs: int, context: int, repeats: int) -> dict:
     address = GroupAddress.local(2)
-    proc = mp.get_context("spawn").Process(target=_follower, args=(address, shape, layers))
+    hidden = llama8b(layers).hidden_size if shape == "llama8b" else \
+        read_hf_config(DEMO_MODEL)["hidden_size"]
+    rows = seqs * ROWS_PER_SEQ
+    proc = mp.get_context("spawn").Process(target=_follower,
+                                           args=(address, shape, layers, rows, hidden))
     proc.start()
     tp, channel = join(address, 0)
+    floor = all_reduce_floor(tp, rows, hidden)
     try:
         leader = TPLeader(build(shape, layers, tp), channel)
         ids, batch, blocks = step_inputs(seqs, context, vocab=leader.config.vocab_size)
         cache = ModelKVCache(leader.cache_specs(), {None: blocks}, BLOCK)
         out = timed_steps(leader, cache, ids, batch, repeats, tp.stats)
         out["param_bytes_per_rank"] = param_bytes(leader.shard)
+        out["all_reduce_alone_ms"] = _ms(floor)
         leader.close()
     finally:
         proc.join(60)
@@ -205,7 +225,9 @@ def markdown(report: dict, baseline: dict | None = None) -> str:
             lines += [_row("TP=1 before", old["tp1"]), _row("TP=2 before", old["tp2"])]
         lines += [_row("TP=1", t1), _row("TP=2", t2), "",
                   f"TP=2 over TP=1: {r['speedup']}x"
-                  + (f" (before: {old['speedup']}x)." if old else ".") + "\n"]
+                  + (f" (before: {old['speedup']}x)" if old else "")
+                  + f"; one all-reduce of [{r['rows']}, hidden] alone: "
+                  f"{t2['all_reduce_alone_ms']} ms.\n"]
     lines.append("All-reduces: one per block (attention, MLP) per layer plus one for the "
                  "vocab-parallel embedding; the gather (to rank 0) is the LM head's. The machine's "
                  "two cores are shared with other work, so the absolute times are noisy.\n")
