@@ -18,9 +18,11 @@ from chainspec.cli import main
 from chainspec.cluster import config as cluster_config
 from chainspec.cluster.config import DrafterRoleConfig, RoleConfig, StackConfig
 from chainspec.engine import options as engine_options
+from chainspec.engine.drafter import DrafterConfig
 from chainspec.engine.factory import drafter_config, verifier_config
 from chainspec.engine.options import LocalOptions
 from chainspec.engine.sampling import SamplingParams
+from chainspec.engine.verifier import VerifierConfig
 from chainspec.gateway import config as gateway_config
 from chainspec.gateway.config import GatewayConfig
 from chainspec.serving import config as serving_config
@@ -227,10 +229,34 @@ def test_no_runtime_config_module_writes_a_default_of_its_own(module) -> None:
     assert not literal, f"defaults outside the spine: {literal}"
 
 
+# engine config field -> the spine key whose default it takes
+ENGINE_CONFIGS = {
+    VerifierConfig: {"num_steps": "num_speculative_tokens", "max_seqs": "max_num_seqs",
+                     "max_len": "max_model_len", "draft_top_k": "draft_top_k",
+                     "use_graphs": "enforce_eager", "seed": "seed"},
+    DrafterConfig: {"num_steps": "num_speculative_tokens", "chain": "chain",
+                    "max_seqs": "drafter_max_num_seqs", "max_len": "max_model_len",
+                    "top_k": "draft_top_k", "use_graphs": "enforce_eager"},
+}
+
+
+@pytest.mark.parametrize("cls", ENGINE_CONFIGS, ids=lambda c: c.__name__)
+def test_the_engines_own_configs_default_to_the_spine_too(cls) -> None:
+    """Once max_seqs was 16 here, 64 there and 8 in two more places."""
+    tree = ast.parse(Path(inspect.getfile(cls)).read_text())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    for stmt in body.body:
+        if isinstance(stmt, ast.AnnAssign) and stmt.target.id in ENGINE_CONFIGS[cls]:
+            assert not isinstance(stmt.value, ast.Constant), stmt.target.id
+    for name, key in ENGINE_CONFIGS[cls].items():
+        want = default(StackSection, key)
+        want = (not want) if inverted(StackSection, key) else want
+        assert _runtime_default(cls, name) == want, name
+
+
 def test_the_factory_sets_every_engine_option_so_no_engine_default_is_served() -> None:
-    """VerifierConfig/DrafterConfig keep literal defaults for tests that build engines by
-    hand; a served engine's config comes from LocalOptions through the factory, which
-    sets each of them (a non-default value in, the same value out)."""
+    """A served engine's config comes from LocalOptions through the factory, which sets
+    each option (a non-default value in, the same value out)."""
     opts = LocalOptions(num_steps=2, chain=False, max_seqs=3, max_len=300,
                         kv_cache_memory=1 << 20, kv_block_size=8, draft_top_k=4,
                         use_graphs=False, speculative_depth="adaptive", seed=11)

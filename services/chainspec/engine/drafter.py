@@ -30,16 +30,20 @@ from chainspec.engine.lookahead import AheadSource, ahead_entry, ahead_window
 from chainspec.engine.observer import DrafterObserver, DraftRoundRecord
 from chainspec.engine.step_clock import StepClock
 from chainspec.models.mtp import MTPDraftModel
+from chainspec.spine.sections import StackSection
+from chainspec.spine.sections import default as spine_default
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    num_steps: int = 3  # K
-    chain: bool = True
-    max_seqs: int = 64  # cap on sequences held (KV memory is `kv`'s business)
-    max_len: int = 2048
-    top_k: int = 8  # support size of sampled draft distributions
-    use_graphs: bool = True  # CUDA graphs when on a GPU
+    # NOTE: the spine's defaults (engine/factory.py sets every one from LocalOptions)
+    num_steps: int = spine_default(StackSection, "num_speculative_tokens")  # K
+    chain: bool = spine_default(StackSection, "chain")
+    # cap on sequences held (KV memory is `kv`'s business)
+    max_seqs: int = spine_default(StackSection, "drafter_max_num_seqs")
+    max_len: int = spine_default(StackSection, "max_model_len")
+    top_k: int = spine_default(StackSection, "draft_top_k")  # support of sampled drafts
+    use_graphs: bool = not spine_default(StackSection, "enforce_eager")  # on a GPU
     max_graph_batch: int = 64
     kv: KVBudget = field(default_factory=KVBudget)  # paged KV cache size
 

@@ -46,25 +46,29 @@ from chainspec.engine.verifier_drafts import DraftProtocol
 from chainspec.engine.verify_batch import VerifyResult, run_verify
 from chainspec.engine.verify_graphs import VerifyGraphs
 from chainspec.models.target import TargetModel
+from chainspec.spine.sections import StackSection
+from chainspec.spine.sections import default as spine_default
 
 
 @dataclass(frozen=True)
 class VerifierConfig:
-    num_steps: int = 3  # K: drafts verified per round
-    max_seqs: int = 16  # cap on running sequences (KV memory is `kv`'s business)
-    max_len: int = 2048  # context limit of one sequence
+    # NOTE: the spine's defaults (engine/factory.py sets every one from LocalOptions)
+    num_steps: int = spine_default(StackSection, "num_speculative_tokens")  # K
+    # cap on running sequences (KV memory is `kv`'s business)
+    max_seqs: int = spine_default(StackSection, "max_num_seqs")
+    max_len: int = spine_default(StackSection, "max_model_len")  # context of a sequence
     max_batch_tokens: int = 1024
     prefill_chunk: int = 512
     sampled_drafts: bool = True  # sampled requests get top-k sampled drafts, else greedy
-    draft_top_k: int = 8  # support size asked of sampled drafts
+    draft_top_k: int = spine_default(StackSection, "draft_top_k")  # asked of sampled drafts
     groups: int = 1  # pipelined groups taking turns (1: every running sequence each step)
     draft_ahead: bool = False  # ask for look-ahead drafts and use them on a hit (4.8)
     kv: KVBudget = field(default_factory=KVBudget)  # paged KV cache size
-    use_graphs: bool = True  # CUDA graphs for decode/verify steps when on a GPU
+    use_graphs: bool = not spine_default(StackSection, "enforce_eager")  # CUDA graphs (GPU)
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # admission order
     adaptive_depth: bool = False  # choose k in 0..K per sequence each step (DESIGN 4.11)
 
-    seed: int | None = None  # --seed: the seeds of unseeded requests; None: fresh randomness
+    seed: int | None = spine_default(StackSection, "seed")  # of unseeded requests' seeds
     def __post_init__(self) -> None:
         object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
         if self.num_steps < 1:
