@@ -120,7 +120,8 @@ def load_drafter(opts: LocalOptions,
     if opts.tensor_parallel_size == 1:
         return build_drafter(load_draft(opts), opts, observer)
     leader = start_group(opts, draft=True).leader
-    # NOTE: collectives are not captured in CUDA graphs yet (as the verifier's TPLeader)
+    # NOTE: a TP drafter's steps are not captured in CUDA graphs (a TP verifier's are, on
+    # NCCL: engine/tp_group.GraphPeers)
     return build_drafter(leader, dataclasses.replace(opts, use_graphs=False), observer)
 
 
