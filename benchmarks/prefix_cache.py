@@ -15,8 +15,14 @@ throughput (reply tokens over the run's wall time). The runs take turns (off, on
 (off / on for TTFT, on / off for throughput) and checks that every reply is the same
 token for token with caching on and off.
 
+With --url OFF_URL ON_URL the same chats go through two running `chainspec serve`
+gateways instead (one started with --no-enable-prefix-caching), streamed
+`/v1/completions` with token-id prompts, one thread per chat; TTFT is send to the first
+text chunk, and a reply's text is tokenized again (the demo tokenizer) for the next turn.
+
 Usage: python benchmarks/prefix_cache.py [--chats 4] [--turns 4] [--system 1000]
-Writes benchmarks/results/prefix_cache.{json,md}.
+       [--url http://127.0.0.1:8001 http://127.0.0.1:8002]
+Writes benchmarks/results/prefix_cache[_serve].{json,md}.
 """
 
 from __future__ import annotations
@@ -91,6 +97,58 @@ def run(engine, system: list[int], users, reply: int) -> dict:
             "resyncs": engine.resyncs}
 
 
+def run_http(url: str, system: list[int], users, reply: int) -> dict:
+    """The chats through a gateway at `url`, one thread per chat."""
+    import concurrent.futures
+
+    import httpx
+
+    from chainspec.engine.local import DEMO_MODEL
+    from chainspec.models.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(DEMO_MODEL)
+
+    def turn(client: httpx.Client, prompt: list[int]) -> tuple[float, str, dict]:
+        body = {"prompt": prompt, "max_tokens": reply, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        t0, ttft, text, usage = time.perf_counter(), None, [], {}
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                event = json.loads(line[5:])
+                piece = "".join(c.get("text", "") for c in event.get("choices") or ())
+                if piece and ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(piece)
+                usage = event.get("usage") or usage
+        return ttft, "".join(text), usage
+
+    def chat(c: int) -> tuple[list[float], list[str], int, int]:
+        history, ttfts, texts, cached, tokens = list(system), [], [], 0, 0
+        with httpx.Client(base_url=url, timeout=600) as client:
+            for user in users[c]:
+                history += user
+                ttft, text, usage = turn(client, history)
+                ttfts.append(ttft)
+                texts.append(text)
+                tokens += usage.get("completion_tokens", 0)
+                cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                history += tok.encode(text, add_special_tokens=False)
+        return ttfts, texts, cached, tokens
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(users)) as pool:
+        done = list(pool.map(chat, range(len(users))))
+    wall = time.perf_counter() - t0
+    ttft = sorted(t for d in done for t in d[0])
+    tokens = sum(d[3] for d in done)
+    return {"wall_s": wall, "tokens": tokens, "throughput_tok_s": tokens / wall,
+            "ttft_p50_s": statistics.median(ttft), "ttft_p90_s": ttft[int(0.9 * len(ttft))],
+            "cached_prompt_tokens": sum(d[2] for d in done), "prompt_tokens": 0,
+            "replies": {f"c{c}": d[1] for c, d in enumerate(done)}, "resyncs": "n/a"}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--chats", type=int, default=4)
@@ -100,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reply", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--url", nargs=2, metavar=("OFF_URL", "ON_URL"),
+                   help="gateways of two running stacks, caching off and on")
     args = p.parse_args(argv)
+    if args.url:
+        return main_http(args, argv)
     torch.set_num_threads(1)
     max_len = args.system + args.turns * (args.user + args.reply) + 64
     opts = {on: LocalOptions(max_seqs=args.chats, max_len=max_len, enable_prefix_caching=on)
@@ -120,11 +182,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["identical"] else 1
 
 
+def main_http(args, argv) -> int:
+    from chainspec.engine.local import DEMO_MODEL
+    vocab = json.loads((DEMO_MODEL / "config.json").read_text())["vocab_size"]
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for r in range(args.repeats):
+        # NOTE: fresh prompts each repeat: a running stack keeps what earlier ones cached
+        system, users = workload(argparse.Namespace(**{**vars(args), "seed": args.seed + r}),
+                                 vocab)
+        for on, url in ((False, args.url[0]), (True, args.url[1])):
+            runs[on].append(run_http(url, system, users, args.reply))
+    report = summarize(args, argv, runs)
+    report["engine"] = ("`chainspec serve` (Ray: verifier + remote drafter actors, gateway; "
+                        "demo model, K=3, CPU), streamed /v1/completions")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "prefix_cache_serve.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / "prefix_cache_serve.md").write_text(markdown(report))
+    print(json.dumps(report, indent=2))
+    return 0 if report["identical"] else 1
+
+
 def summarize(args, argv, runs: dict[bool, list[dict]]) -> dict:
     def med(on: bool, key: str) -> float:
         return statistics.median(r[key] for r in runs[on])
-    identical = all(r["replies"] == runs[False][0]["replies"] for rs in runs.values()
-                    for r in rs)
+    identical = all(off["replies"] == on["replies"]
+                    for off, on in zip(runs[False], runs[True], strict=True))
     side = {("on" if on else "off"): {
         "ttft_p50_ms": round(1e3 * med(on, "ttft_p50_s"), 1),
         "ttft_p90_ms": round(1e3 * med(on, "ttft_p90_s"), 1),
@@ -149,8 +231,9 @@ def summarize(args, argv, runs: dict[bool, list[dict]]) -> dict:
 def markdown(r: dict) -> str:
     rows = "".join(
         f"| {name} | {r[name]['ttft_p50_ms']} | {r[name]['ttft_p90_ms']} | "
-        f"{r[name]['throughput_tok_s']} | {r[name]['cached_prompt_tokens']} of "
-        f"{r[name]['prompt_tokens']} | {r[name]['resyncs']} |\n" for name in ("off", "on"))
+        f"{r[name]['throughput_tok_s']} | {r[name]['cached_prompt_tokens']}"
+        f"{' of ' + str(r[name]['prompt_tokens']) if r[name]['prompt_tokens'] else ''} | "
+        f"{r[name]['resyncs']} |\n" for name in ("off", "on"))
     met = {k: r[k] >= v for k, v in r["targets"].items()}
     return (
         "# Prefix caching: multi-turn chats behind a shared system prompt\n\n"
