@@ -212,21 +212,22 @@ class StackConfig:
         return self.role(role).resource or f"chainspec_{role}"
 
     def local_options(self, role: str) -> LocalOptions:
-        """The engine options of a `role` member (`engine/factory.py` builds from them): a
-        drafter has drafter_max_seqs slots and a KV pool sized by them."""
+        """The engine options of a `role` member (`engine/factory.py` builds from them):
+        every LocalOptions field of the same name here (so a new engine option needs no
+        line in this method), the role's device and ranks; a drafter has
+        drafter_max_seqs slots and a KV pool sized by them."""
         from chainspec.engine.options import LocalOptions
 
-        opts = LocalOptions(
-            model_dir=Path(self.model_dir), num_steps=self.num_steps, chain=self.chain,
-            max_seqs=self.max_seqs, max_len=self.max_len, dtype=self.dtype,
-            device=self.role(role).device, kv_cache_memory=self.kv_cache_memory,
-            kv_cache_fraction=self.kv_cache_fraction,
-            gpu_memory_utilization=None if role == "drafter" else self.gpu_memory_utilization,
-            kv_block_size=self.kv_block_size, draft_top_k=self.draft_top_k,
-            use_graphs=self.use_graphs, speculative_depth=self.speculative_depth,
-            seed=self.seed, enable_prefix_caching=self.enable_prefix_caching,
-            tensor_parallel_size=self.role(role).tensor_parallel_size,
-            collective_timeout_s=self.role(role).collective_timeout_s)
+        member = self.role(role)
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(LocalOptions)
+                  if hasattr(self, f.name)}
+        opts = LocalOptions(**{
+            **shared, "model_dir": Path(self.model_dir), "device": member.device,
+            "tensor_parallel_size": member.tensor_parallel_size,
+            "collective_timeout_s": member.collective_timeout_s,
+            # NOTE: a verifier's share of its GPU; a drafter beside it must not claim it
+            "gpu_memory_utilization": None if role == "drafter"
+            else self.gpu_memory_utilization})
         return opts.for_drafter(self.drafter_max_seqs) if role == "drafter" else opts
 
     def to_dict(self) -> dict[str, Any]:
