@@ -69,7 +69,8 @@ def test_the_gateways_vllm_names_sum_the_verifiers_counters(served):
              "vllm:generation_tokens_total": "chainspec_generation_tokens_total",
              "vllm:prompt_tokens_total": "chainspec_prompt_tokens_total",
              "vllm:e2e_request_latency_seconds_count":
-                 "chainspec_e2e_request_latency_seconds_count"}
+                 "chainspec_e2e_request_latency_seconds_count",
+             "vllm:prefix_cache_queries_total": "chainspec_prefix_cache_queries_total"}
     for vllm, mine in pairs.items():
         assert total(view, vllm, model_name="demo") == total(own, mine) > 0, vllm
     assert total(view, "vllm:generation_tokens_total") >= 14

@@ -32,6 +32,8 @@ COUNTERS = {
     "chainspec_generation_tokens": ("vllm:generation_tokens",),
     "chainspec_request_success": ("vllm:request_success",),
     "chainspec_num_preemptions": ("vllm:num_preemptions",),
+    "chainspec_prefix_cache_queries": ("vllm:prefix_cache_queries",),  # tokens
+    "chainspec_prefix_cache_hits": ("vllm:prefix_cache_hits",),
 }
 HISTOGRAMS = {
     "chainspec_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
