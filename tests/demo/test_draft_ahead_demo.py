@@ -123,7 +123,7 @@ def test_metrics_count_hits_misses_and_look_ahead_acceptance(demo_models,
         verifier_module.run_verify = run_verify
 
     def value(name: str, **labels) -> float:
-        return vm.registry.get_sample_value(name, {"model": "demo", **labels}) or 0.0
+        return vm.registry.get_sample_value(name, {"model_name": "demo", **labels}) or 0.0
     assert value("chainspec_draft_ahead_verdicts_total", result="hit") == eng.ahead_hits > 0
     assert value("chainspec_draft_ahead_verdicts_total", result="miss") == eng.ahead_misses
     assert value("chainspec_draft_ahead_draft_tokens_total") == 2 * len(verified)

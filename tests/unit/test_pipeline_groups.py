@@ -132,4 +132,4 @@ def test_metrics_report_the_groups_taking_turns(pair) -> None:
                         StopConditions(max_tokens=8))
         eng.step()
         assert vm.registry.get_sample_value("chainspec_pipeline_groups",
-                                            {"model": "tiny"}) == want
+                                            {"model_name": "tiny"}) == want
