@@ -133,3 +133,25 @@ def test_a_mask_blind_to_the_drafts_is_caught(demo_models, demo_tokenizer, compi
     params = SamplingParams(temperature=0.0, grammar=compiler.compile(SPECS["regex"]))
     with pytest.raises(RuntimeError, match="grammar forbids"):
         run(demo_models, demo_tokenizer.eos_token_ids, prompts, params, 4)
+
+
+def test_a_continuation_resumes_inside_the_grammar(demo_models, demo_tokenizer, compiler,
+                                                   prompts, plain) -> None:
+    """A request re-opened with the output it had (the gateway's failover) feeds that
+    output to its matcher first, so it ends exactly as the uninterrupted one did."""
+    opts, models = demo_models
+    params = SamplingParams(temperature=0.0, grammar=compiler.compile(SPECS["json_schema"]))
+    eng = build_verifier(models, opts, True, eos_ids=demo_tokenizer.eos_token_ids)
+    whole = [c.tokens for c in plain["json_schema"].completions[:4]]
+    rest: dict[str, list[int]] = {}
+    for i, tokens in enumerate(whole):
+        eng.add_request(str(i), prompts[i], params, StopConditions(max_tokens=MAX_TOKENS),
+                        generated=tokens[:7])
+        rest[str(i)] = []
+    while eng.has_work:
+        for out in eng.step():
+            rest[out.request_id] += out.new_tokens
+    assert [tokens[:7] + rest[str(i)] for i, tokens in enumerate(whole)] == whole
+    with pytest.raises(ValueError, match="does not follow the grammar"):
+        eng.add_request("bad", prompts[0], params, StopConditions(max_tokens=MAX_TOKENS),
+                        generated=[whole[0][1]] * 3)  # no JSON object starts so
