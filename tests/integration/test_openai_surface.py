@@ -249,6 +249,7 @@ REFUSE = "refuse"
 ROWS: list[tuple[tuple[str, ...], str, Any, Any]] = [
     ((CMPL, CHAT), "model", {"model": "not-served"}, REFUSE),
     ((CMPL, CHAT), "priority", {"priority": 0}, greedy),
+    ((CMPL, CHAT), "cache_salt", {"cache_salt": "tenant-1"}, greedy),  # the same output
     ((CMPL, CHAT), "priority", {"priority": 5}, REFUSE),  # the verifier schedules fcfs
     ((CMPL, CHAT), "max_tokens", {"max_tokens": 3}, tokens(3)),
     ((CHAT,), "max_completion_tokens", {"max_completion_tokens": 2}, tokens(2)),
@@ -344,7 +345,7 @@ ON_VALUES: dict[str, Any] = {  # a value that would change the output, per refus
     "service_tier": "flex"}
 EXTRA_VALUES: dict[str, Any] = {
     "user": "u-1", "metadata": {"k": "v"}, "prediction": {"type": "content", "content": "x"},
-    "parallel_tool_calls": False, "cache_salt": "salt", "include_reasoning": False}
+    "parallel_tool_calls": False, "include_reasoning": False}
 
 
 def all_rows() -> list[tuple[str, str, Any, Any]]:

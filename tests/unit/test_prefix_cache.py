@@ -348,3 +348,24 @@ def test_a_drafter_miss_asks_for_a_resync_and_a_full_drafter_refuses(pair):
     # a decode update of a sequence the drafter lost is no prefix lookup
     (lost,) = eng.update([SeqUpdate(4, 9, (5,), torch.randn(1, h))])
     assert lost.code == ErrorCode.FAILED_PRECONDITION and eng.allocator.cache.queries == 8
+
+
+def test_a_cache_salt_shares_blocks_only_within_itself(pair):
+    target, _ = pair
+    eng = engine(target, kv=_kv(200, True))
+    eng.observer = rows = _Rows()
+    prompt = list(range(1, 30))
+
+    def run(rid: str, salt: str | None) -> list[int]:
+        eng.add_request(rid, prompt, SamplingParams(temperature=0.0),
+                        StopConditions(max_tokens=4), cache_salt=salt)
+        got = []
+        while eng.has_work:
+            for out in eng.step():
+                got.extend(out.new_tokens)
+        return got
+    plain = run("plain", None)
+    assert run("a1", "tenant-a") == plain and rows.prefill["a1"] == 29  # not the unsalted
+    assert run("b1", "tenant-b") == plain and rows.prefill["b1"] == 29  # nor a's
+    assert run("a2", "tenant-a") == plain and rows.prefill["a2"] == 29 - 28  # a's own
+    assert run("plain2", None) == plain and rows.prefill["plain2"] == 1

@@ -115,7 +115,8 @@ class AsyncVerifier:
                        sampling: SamplingParams, stop: StopConditions,
                        admission: Admission = OWN_PARTY,
                        num_speculative_tokens: int | None = None,
-                       generated: Sequence[int] = ()) -> AsyncIterator[RequestOutput]:
+                       generated: Sequence[int] = (),
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine commits them; the last one is finished.
 
         Raises ValueError (bad input), RequestIdInUse, QueueFull or EngineStopped. Leaving
@@ -130,7 +131,7 @@ class AsyncVerifier:
                                                             sampling, stop, arrival,
                                                             admission,
                                                             num_speculative_tokens,
-                                                            generated))
+                                                            generated, cache_salt))
         except BaseException as e:
             self._streams.pop(request_id, None)
             if not isinstance(e, ValueError) and self.alive:  # cancelled while queued

@@ -71,7 +71,7 @@ def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare:
         return req.blocks.ensure(allocator, need)
     limit = max(0, req.prefill_len - 1) // allocator.block_size
     hit = cache.match(chain_hashes(req.tokens, allocator.block_size, req.block_hashes,
-                                   limit)[:limit])
+                                   limit, req.hash_root)[:limit])
     hit = hit[:max(0, len(hit) - spare)]
     idle = sum(cache.is_idle(b) for b in hit)  # NOTE: held from now on, no longer free
     if allocator.blocks_for(need) - len(hit) > allocator.num_free - idle:
@@ -94,7 +94,7 @@ def cache_committed(req: Request, allocator: BlockAllocator) -> None:
     full = req.num_computed // bs
     if cache is None or full <= req.num_cached:
         return
-    hashes = chain_hashes(req.tokens, bs, req.block_hashes, full)
+    hashes = chain_hashes(req.tokens, bs, req.block_hashes, full, req.hash_root)
     for i in range(req.num_cached, full):
         cache.insert(hashes[i], req.blocks.blocks[i])
     req.num_cached = full

@@ -30,15 +30,23 @@ def block_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int, known: list[BlockHash],
-                 num_blocks: int | None = None) -> list[BlockHash]:
+                 num_blocks: int | None = None, root: BlockHash | None = None
+                 ) -> list[BlockHash]:
     """`known` (hashes of the first blocks of `tokens`) extended, in place, to the first
-    `num_blocks` full blocks (default: every full block)."""
+    `num_blocks` full blocks (default: every full block). `root`: the first block's
+    parent (`salt_root`; None: the unsalted pool)."""
     full = len(tokens) // block_size if num_blocks is None else num_blocks
     while len(known) < full:
         i = len(known)
-        known.append(block_hash(known[-1] if known else None,
+        known.append(block_hash(known[-1] if known else root,
                                 tokens[i * block_size:(i + 1) * block_size]))
     return known
+
+
+def salt_root(salt: str) -> BlockHash:
+    """The chain root of requests with vLLM's `cache_salt`: they share cached blocks
+    only with requests of the same salt."""
+    return hashlib.blake2b(b"cache_salt\0" + salt.encode(), digest_size=16).digest()
 
 
 def draft_key(block: BlockHash, following: Sequence[int]) -> BlockHash:

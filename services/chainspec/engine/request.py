@@ -81,6 +81,7 @@ class Request:
         # (as far as computed), positions the last admission read from the cache, and
         # the leading blocks of `blocks` that are cached
         self.block_hashes: list[bytes] = []
+        self.hash_root: bytes | None = None  # prefix_cache.salt_root of its cache_salt
         self.prefix_hit = 0
         self.num_cached = 0
         self.preemptions = 0

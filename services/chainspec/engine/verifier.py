@@ -39,6 +39,7 @@ from chainspec.engine.grammar import start_grammar
 from chainspec.engine.grammar_mask import guide_drafts
 from chainspec.engine.kv_budget import KVBudget, model_cache
 from chainspec.engine.observer import VerifierObserver, VerifierStepRecord
+from chainspec.engine.prefix_cache import salt_root
 from chainspec.engine.request import FinishReason, Request, RequestOutput, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.schedule import Work, WorkKind, schedule
@@ -120,14 +121,15 @@ class VerifierEngine(DraftProtocol):
                     stop: StopConditions, arrival_s: float | None = None,
                     admission: Admission = OWN_PARTY,
                     num_speculative_tokens: int | None = None,
-                    generated: Sequence[int] = ()) -> None:
+                    generated: Sequence[int] = (), cache_salt: str | None = None) -> None:
         """Queue a request. Raises ValueError for input the model cannot take.
         `arrival_s`: when it reached the server (`time.perf_counter()`; default now).
         `admission`: its priority and party (engine/admission.py).
         `num_speculative_tokens`: the request's cap on drafts per round (0: none; None or
         more than K: K). `generated`: output it already has (a continuation of a request
         another verifier lost): it is admitted as if preempted here, so its stop
-        conditions count those tokens and seeded noise keys stay absolute positions."""
+        conditions count those tokens and seeded noise keys stay absolute positions.
+        `cache_salt` (vLLM's): shares cached prefix blocks only with the same salt."""
         if num_speculative_tokens is not None and num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         if request_id in self.by_id:
@@ -158,6 +160,7 @@ class VerifierEngine(DraftProtocol):
         if sampling.grammar is not None:  # NOTE: after _continue: it follows that output too
             req.grammar = start_grammar(sampling.grammar, req.output_tokens, stop, vocab)
         req.claims = self.claims.new()
+        req.hash_root = salt_root(cache_salt) if cache_salt else None  # prefix caching
         req.party, req.priority = admission.party or request_id, admission.priority
         req.seeded = sampling.seed is not None
         if num_speculative_tokens is not None:

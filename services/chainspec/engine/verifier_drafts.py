@@ -147,7 +147,7 @@ class DraftProtocol:
         last = max(max(0, end - k + 1) // bs, start // bs if opens else 0)
         if last <= first:
             return ()
-        hashes = chain_hashes(req.tokens, bs, req.block_hashes, last)
+        hashes = chain_hashes(req.tokens, bs, req.block_hashes, last, req.hash_root)
         return tuple(((i + 1) * bs, draft_key(hashes[i], req.tokens[(i + 1) * bs:
                                                                   (i + 1) * bs + k]))
                      for i in range(first, last))

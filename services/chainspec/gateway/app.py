@@ -120,7 +120,8 @@ class Gateway:
                               body.include_stop_str_in_output, body.processing(),
                               priority=body.priority,
                               num_speculative_tokens=None if body.speculative is None
-                              else body.speculative.num_speculative_tokens)
+                              else body.speculative.num_speculative_tokens,
+                              cache_salt=body.cache_salt or "")
         response_id = f"{prefix}{body.request_id}" if body.request_id else spec.request_id
         return response_id, choice_specs(spec, body.n)
 

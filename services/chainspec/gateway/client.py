@@ -84,6 +84,7 @@ class GenerationSpec:
     parent_request_id: str = ""  # the client request this is one choice of (fanout)
     num_speculative_tokens: int | None = None  # cap on drafts per round (None: K; 0: off)
     continuation: Continuation | None = None  # a resumed request's output so far
+    cache_salt: str = ""  # vLLM's: shares cached prefix blocks only with the same salt
 
     def message(self) -> pb.GenerateRequest:
         # NOTE: every value is already in its wire range (schemas: uint32 counts, uint64
@@ -109,6 +110,7 @@ class GenerationSpec:
             req.num_speculative_tokens = self.num_speculative_tokens
         if self.continuation is not None:
             self.continuation.fill(req.continuation)
+        req.cache_salt = self.cache_salt
         return req
 
     def resumed(self, attempt: int, progress: Progress) -> GenerationSpec:

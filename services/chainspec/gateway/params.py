@@ -23,8 +23,6 @@ ACCEPTED_EXTRAS: dict[str, str] = {
     "parallel_tool_calls": "only matters with `tools`, which are refused",
     "include_reasoning": "no reasoning parser runs, so there is no reasoning content to "
                          "include or drop",
-    "cache_salt": "prefix caching never changes output; a salt only keeps requests from "
-                  "sharing cached blocks, which is not applied yet (all requests share)",
 }
 
 _OFF_NONE: tuple[Any, ...] = (None,)

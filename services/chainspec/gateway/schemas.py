@@ -106,6 +106,8 @@ class _Sampling(GuidedFields):
     n: Int = Field(1, ge=1, le=MAX_N)
     priority: Int = Field(0, ge=-INT32, lt=INT32)  # vLLM's: lower first (verifier policy)
     speculative: Speculative | None = None  # depth cap (DESIGN 4.11); output is unchanged
+    # vLLM's: prefix cache blocks shared only within one salt; output is unchanged
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     best_of: Int | None = None
     stream: Bool = False
     stream_options: StreamOptions | None = None

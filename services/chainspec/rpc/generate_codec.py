@@ -55,6 +55,7 @@ class GenerateArgs:
     num_speculative_tokens: int | None = None  # the request's cap on drafts per round
     generated: tuple[int, ...] = ()  # a continuation's output so far (another verifier's)
     text_sent: int = 0  # characters of that output's text the client already has
+    cache_salt: str | None = None  # shares cached prefix blocks only with the same salt
 
 
 def parse_generate(req: pb.GenerateRequest, limits: GenerateLimits,
@@ -79,7 +80,7 @@ def parse_generate(req: pb.GenerateRequest, limits: GenerateLimits,
                         req.stop.include_stop_str_in_output, _admission(req, limits),
                         req.num_speculative_tokens
                         if req.HasField("num_speculative_tokens") else None,
-                        generated, req.continuation.text_sent)
+                        generated, req.continuation.text_sent, req.cache_salt or None)
 
 
 def _continuation(req: pb.GenerateRequest, limits: GenerateLimits,

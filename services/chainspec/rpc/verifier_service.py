@@ -144,7 +144,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         try:
             async for out in self.engine.generate(rid, args.prompt, args.sampling, args.stop,
                                                   args.admission, args.num_speculative_tokens,
-                                                  generated=args.generated):
+                                                  generated=args.generated,
+                                                  cache_salt=args.cache_salt):
                 for message in writer.messages(out):
                     yield message
         except RequestIdInUse:

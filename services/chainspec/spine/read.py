@@ -21,8 +21,7 @@ from chainspec.spine.sections import (
     runtime_name,
 )
 
-# sections in a section
-NESTED = {"drafter", "verifier", "gateway", "speculative_config", "autoscale"}
+NESTED = {"drafter", "verifier", "gateway", "speculative_config"}  # sections in a section
 
 
 class ConfigError(ValueError):

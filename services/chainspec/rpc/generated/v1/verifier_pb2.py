@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63hainspec/v1/verifier.proto\x12\x0c\x63hainspec.v1\"\x1b\n\x0cPromptTokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xae\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12?\n\nlogit_bias\x18\x08 \x03(\x0b\x32+.chainspec.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x02\x88\x01\x01\x12&\n\x07grammar\x18\x0c \x01(\x0b\x32\x15.chainspec.v1.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"Q\n\x07Grammar\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.chainspec.v1.GrammarKind\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07\x63hoices\x18\x03 \x03(\t\"\x82\x01\n\x0eStopConditions\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x05 \x01(\x08\"\xe8\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\x06tokens\x18\x03 \x01(\x0b\x32\x1a.chainspec.v1.PromptTokensH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.chainspec.v1.SamplingParams\x12*\n\x04stop\x18\x05 \x01(\x0b\x32\x1c.chainspec.v1.StopConditions\x12\x19\n\x11parent_request_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12#\n\x16num_speculative_tokens\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x30\n\x0c\x63ontinuation\x18\t \x01(\x0b\x32\x1a.chainspec.v1.ContinuationB\x08\n\x06promptB\x19\n\x17_num_speculative_tokens\"4\n\x0c\x43ontinuation\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x11\n\ttext_sent\x18\x02 \x01(\r\"[\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.chainspec.v1.TokenLogprob\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.chainspec.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xdf\x01\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\r\x12\x17\n\x0f\x66\x61llback_rounds\x18\x07 \x01(\r\x12\x0f\n\x07resyncs\x18\x08 \x01(\r\x12\x15\n\rcached_tokens\x18\t \x01(\r\"z\n\x10GenerateFinished\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.chainspec.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12)\n\x05stats\x18\x03 \x01(\x0b\x32\x1a.chainspec.v1.RequestStats\"\x8d\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.chainspec.v1.TokenChunkH\x00\x12\x32\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1e.chainspec.v1.GenerateFinishedH\x00\x42\x06\n\x04kind\"5\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tabort_key\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13VerifierInfoRequest\"\xda\x01\n\x0cVerifierInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1b\n\x13weights_fingerprint\x18\x02 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x10\n\x08\x64rafters\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x0f\n\x07version\x18\t \x01(\t\x12\x11\n\tcontinues\x18\n \x01(\x08*\xaf\x01\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x01\x12\x1c\n\x18GRAMMAR_KIND_JSON_OBJECT\x10\x02\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x03\x12\x17\n\x13GRAMMAR_KIND_CHOICE\x10\x04\x12\x15\n\x11GRAMMAR_KIND_EBNF\x10\x05*\xa8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\xe0\x01\n\x08Verifier\x12K\n\x08Generate\x12\x1d.chainspec.v1.GenerateRequest\x1a\x1e.chainspec.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.chainspec.v1.AbortRequest\x1a\x1b.chainspec.v1.AbortResponse\x12\x45\n\x04Info\x12!.chainspec.v1.VerifierInfoRequest\x1a\x1a.chainspec.v1.VerifierInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63hainspec/v1/verifier.proto\x12\x0c\x63hainspec.v1\"\x1b\n\x0cPromptTokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xae\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12?\n\nlogit_bias\x18\x08 \x03(\x0b\x32+.chainspec.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x02\x88\x01\x01\x12&\n\x07grammar\x18\x0c \x01(\x0b\x32\x15.chainspec.v1.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"Q\n\x07Grammar\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.chainspec.v1.GrammarKind\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07\x63hoices\x18\x03 \x03(\t\"\x82\x01\n\x0eStopConditions\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x05 \x01(\x08\"\xfc\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\x06tokens\x18\x03 \x01(\x0b\x32\x1a.chainspec.v1.PromptTokensH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.chainspec.v1.SamplingParams\x12*\n\x04stop\x18\x05 \x01(\x0b\x32\x1c.chainspec.v1.StopConditions\x12\x19\n\x11parent_request_id\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12#\n\x16num_speculative_tokens\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x30\n\x0c\x63ontinuation\x18\t \x01(\x0b\x32\x1a.chainspec.v1.Continuation\x12\x12\n\ncache_salt\x18\n \x01(\tB\x08\n\x06promptB\x19\n\x17_num_speculative_tokens\"4\n\x0c\x43ontinuation\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x11\n\ttext_sent\x18\x02 \x01(\r\"[\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.chainspec.v1.TokenLogprob\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.chainspec.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xdf\x01\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\r\x12\x17\n\x0f\x66\x61llback_rounds\x18\x07 \x01(\r\x12\x0f\n\x07resyncs\x18\x08 \x01(\r\x12\x15\n\rcached_tokens\x18\t \x01(\r\"z\n\x10GenerateFinished\x12*\n\x06reason\x18\x01 \x01(\x0e\x32\x1a.chainspec.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\x12)\n\x05stats\x18\x03 \x01(\x0b\x32\x1a.chainspec.v1.RequestStats\"\x8d\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.chainspec.v1.TokenChunkH\x00\x12\x32\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1e.chainspec.v1.GenerateFinishedH\x00\x42\x06\n\x04kind\"5\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tabort_key\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13VerifierInfoRequest\"\xda\x01\n\x0cVerifierInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1b\n\x13weights_fingerprint\x18\x02 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x0f\n\x07waiting\x18\x06 \x01(\r\x12\x10\n\x08\x64rafters\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x0f\n\x07version\x18\t \x01(\t\x12\x11\n\tcontinues\x18\n \x01(\x08*\xaf\x01\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x01\x12\x1c\n\x18GRAMMAR_KIND_JSON_OBJECT\x10\x02\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x03\x12\x17\n\x13GRAMMAR_KIND_CHOICE\x10\x04\x12\x15\n\x11GRAMMAR_KIND_EBNF\x10\x05*\xa8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\xe0\x01\n\x08Verifier\x12K\n\x08Generate\x12\x1d.chainspec.v1.GenerateRequest\x1a\x1e.chainspec.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.chainspec.v1.AbortRequest\x1a\x1b.chainspec.v1.AbortResponse\x12\x45\n\x04Info\x12!.chainspec.v1.VerifierInfoRequest\x1a\x1a.chainspec.v1.VerifierInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_GRAMMARKIND']._serialized_start=2207
-  _globals['_GRAMMARKIND']._serialized_end=2382
-  _globals['_FINISHREASON']._serialized_start=2385
-  _globals['_FINISHREASON']._serialized_end=2553
+  _globals['_GRAMMARKIND']._serialized_start=2227
+  _globals['_GRAMMARKIND']._serialized_end=2402
+  _globals['_FINISHREASON']._serialized_start=2405
+  _globals['_FINISHREASON']._serialized_end=2573
   _globals['_PROMPTTOKENS']._serialized_start=45
   _globals['_PROMPTTOKENS']._serialized_end=72
   _globals['_SAMPLINGPARAMS']._serialized_start=75
@@ -48,29 +48,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPCONDITIONS']._serialized_start=591
   _globals['_STOPCONDITIONS']._serialized_end=721
   _globals['_GENERATEREQUEST']._serialized_start=724
-  _globals['_GENERATEREQUEST']._serialized_end=1084
-  _globals['_CONTINUATION']._serialized_start=1086
-  _globals['_CONTINUATION']._serialized_end=1138
-  _globals['_TOKENCHUNK']._serialized_start=1140
-  _globals['_TOKENCHUNK']._serialized_end=1231
-  _globals['_TOKENLOGPROB']._serialized_start=1233
-  _globals['_TOKENLOGPROB']._serialized_end=1330
-  _globals['_TOPLOGPROB']._serialized_start=1332
-  _globals['_TOPLOGPROB']._serialized_end=1379
-  _globals['_REQUESTSTATS']._serialized_start=1382
-  _globals['_REQUESTSTATS']._serialized_end=1605
-  _globals['_GENERATEFINISHED']._serialized_start=1607
-  _globals['_GENERATEFINISHED']._serialized_end=1729
-  _globals['_GENERATERESPONSE']._serialized_start=1732
-  _globals['_GENERATERESPONSE']._serialized_end=1873
-  _globals['_ABORTREQUEST']._serialized_start=1875
-  _globals['_ABORTREQUEST']._serialized_end=1928
-  _globals['_ABORTRESPONSE']._serialized_start=1930
-  _globals['_ABORTRESPONSE']._serialized_end=1960
-  _globals['_VERIFIERINFOREQUEST']._serialized_start=1962
-  _globals['_VERIFIERINFOREQUEST']._serialized_end=1983
-  _globals['_VERIFIERINFO']._serialized_start=1986
-  _globals['_VERIFIERINFO']._serialized_end=2204
-  _globals['_VERIFIER']._serialized_start=2556
-  _globals['_VERIFIER']._serialized_end=2780
+  _globals['_GENERATEREQUEST']._serialized_end=1104
+  _globals['_CONTINUATION']._serialized_start=1106
+  _globals['_CONTINUATION']._serialized_end=1158
+  _globals['_TOKENCHUNK']._serialized_start=1160
+  _globals['_TOKENCHUNK']._serialized_end=1251
+  _globals['_TOKENLOGPROB']._serialized_start=1253
+  _globals['_TOKENLOGPROB']._serialized_end=1350
+  _globals['_TOPLOGPROB']._serialized_start=1352
+  _globals['_TOPLOGPROB']._serialized_end=1399
+  _globals['_REQUESTSTATS']._serialized_start=1402
+  _globals['_REQUESTSTATS']._serialized_end=1625
+  _globals['_GENERATEFINISHED']._serialized_start=1627
+  _globals['_GENERATEFINISHED']._serialized_end=1749
+  _globals['_GENERATERESPONSE']._serialized_start=1752
+  _globals['_GENERATERESPONSE']._serialized_end=1893
+  _globals['_ABORTREQUEST']._serialized_start=1895
+  _globals['_ABORTREQUEST']._serialized_end=1948
+  _globals['_ABORTRESPONSE']._serialized_start=1950
+  _globals['_ABORTRESPONSE']._serialized_end=1980
+  _globals['_VERIFIERINFOREQUEST']._serialized_start=1982
+  _globals['_VERIFIERINFOREQUEST']._serialized_end=2003
+  _globals['_VERIFIERINFO']._serialized_start=2006
+  _globals['_VERIFIERINFO']._serialized_end=2224
+  _globals['_VERIFIER']._serialized_start=2576
+  _globals['_VERIFIER']._serialized_end=2800
 # @@protoc_insertion_point(module_scope)

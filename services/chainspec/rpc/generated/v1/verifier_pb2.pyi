@@ -103,7 +103,7 @@ class StopConditions(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "tokens", "sampling", "stop", "parent_request_id", "priority", "num_speculative_tokens", "continuation")
+    __slots__ = ("request_id", "text", "tokens", "sampling", "stop", "parent_request_id", "priority", "num_speculative_tokens", "continuation", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTINUATION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     tokens: PromptTokens
@@ -122,7 +123,8 @@ class GenerateRequest(_message.Message):
     priority: int
     num_speculative_tokens: int
     continuation: Continuation
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., parent_request_id: _Optional[str] = ..., priority: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Union[StopConditions, _Mapping]] = ..., parent_request_id: _Optional[str] = ..., priority: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("token_ids", "text_sent")
