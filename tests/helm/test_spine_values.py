@@ -13,14 +13,26 @@ import yaml
 
 from chainspec.cli import build_parser
 from chainspec.commands.stack_args import stack_config as up_config
-from chainspec.spine.sections import StackSection, chart_value, default, inverted
+from chainspec.spine.sections import (
+    AutoscaleSection,
+    StackSection,
+    chart_value,
+    default,
+    inverted,
+)
 from tests.helm.render import EXAMPLES, HelmError, of_kind, stack_config, template
 from tests.tools import CHART
 
-SCHEMA = json.loads((CHART / "values.schema.json").read_text())["properties"]["stack"]
-VALUES = yaml.safe_load((CHART / "values.yaml").read_text())["stack"]
+_SCHEMA = json.loads((CHART / "values.schema.json").read_text())
+_VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
+SCHEMA, VALUES = _SCHEMA["properties"]["stack"], _VALUES["stack"]
 CHARTED = {chart_value(StackSection, k): k for k in StackSection.model_fields
            if chart_value(StackSection, k)}
+# drafter.autoscale: the policy's values (enabled and the bounds are the group's)
+AUTOSCALE_SCHEMA = _SCHEMA["definitions"]["drafterAutoscale"]["properties"]
+AUTOSCALE_VALUES = _VALUES["drafter"]["autoscale"]
+AUTOSCALED = {chart_value(AutoscaleSection, k): k for k in AutoscaleSection.model_fields
+              if chart_value(AutoscaleSection, k)}
 # chart defaults that differ from the spine's, and why
 CHART_OWN = {"startTimeoutSeconds": 600}  # an autoscaled drafter waits for a new pod
 JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
@@ -44,10 +56,21 @@ def test_every_stack_value_is_a_spine_option_and_each_is_in_the_schema() -> None
     assert SCHEMA["additionalProperties"] is False
 
 
-@pytest.mark.parametrize("value", sorted(CHARTED))
-def test_a_values_type_bounds_and_default_are_its_options(value) -> None:
-    key = CHARTED[value]
-    info, prop = StackSection.model_fields[key], SCHEMA["properties"][value]
+def test_every_autoscale_value_is_a_policy_option() -> None:
+    assert set(AUTOSCALE_SCHEMA) - {"enabled"} == set(AUTOSCALED)
+
+
+CASES = [(StackSection, CHARTED, SCHEMA["properties"], VALUES, v) for v in sorted(CHARTED)] + [
+    (AutoscaleSection, AUTOSCALED, AUTOSCALE_SCHEMA, AUTOSCALE_VALUES, v)
+    for v in sorted(AUTOSCALED)]
+
+
+@pytest.mark.parametrize("section,charted,schema,values,value", CASES,
+                         ids=[c[-1] for c in CASES])
+def test_a_values_type_bounds_and_default_are_its_options(section, charted, schema, values,
+                                                          value) -> None:
+    key = charted[value]
+    info, prop = section.model_fields[key], schema[value]
     types, enum = _types(info.annotation)
     assert sorted(prop["type"] if isinstance(prop["type"], list) else [prop["type"]]) == \
         sorted(types), value
@@ -56,9 +79,9 @@ def test_a_values_type_bounds_and_default_are_its_options(value) -> None:
               if hasattr(m, b)}
     assert (prop.get("minimum"), prop.get("exclusiveMinimum"), prop.get("maximum")) == (
         bounds.get("ge"), bounds.get("gt"), bounds.get("le")), value
-    want = default(StackSection, key)
-    want = (not want) if inverted(StackSection, key) else want
-    assert VALUES[value] == CHART_OWN.get(value, want), value
+    want = default(section, key)
+    want = (not want) if inverted(section, key) else want
+    assert values[value] == CHART_OWN.get(value, want), value
 
 
 @pytest.mark.parametrize("args,named", [

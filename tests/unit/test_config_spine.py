@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from chainspec.cli import main
+from chainspec.cluster import autoscale as cluster_autoscale
 from chainspec.cluster import config as cluster_config
+from chainspec.cluster.autoscale import AutoscalePolicy
 from chainspec.cluster.config import DrafterRoleConfig, RoleConfig, StackConfig
 from chainspec.engine import options as engine_options
 from chainspec.engine.drafter import DrafterConfig
@@ -28,6 +30,7 @@ from chainspec.gateway.config import GatewayConfig
 from chainspec.serving import config as serving_config
 from chainspec.spine.read import DeprecatedKey
 from chainspec.spine.sections import (
+    AutoscaleSection,
     DrafterRoleSection,
     GatewaySection,
     RoleSection,
@@ -170,7 +173,8 @@ def test_a_flag_overrides_a_files_speculative_config_and_the_other_way(tmp_path,
 # -- declared once ---------------------------------------------------------------------
 
 RUNTIME = [(StackConfig, StackSection), (RoleConfig, RoleSection),
-           (DrafterRoleConfig, DrafterRoleSection), (GatewayConfig, GatewaySection)]
+           (DrafterRoleConfig, DrafterRoleSection), (GatewayConfig, GatewaySection),
+           (AutoscalePolicy, AutoscaleSection)]
 # the fields a spine option sets in LocalOptions (an engine's options), by spine key
 ENGINE = {runtime_name(StackSection, key): key for key in StackSection.model_fields}
 
@@ -212,7 +216,8 @@ def test_an_engines_options_default_to_the_spines() -> None:
 
 
 # the runtime config modules: no field there may carry its own literal default
-CONFIG_MODULES = (cluster_config, engine_options, gateway_config, serving_config)
+CONFIG_MODULES = (cluster_config, cluster_autoscale, engine_options, gateway_config,
+                  serving_config)
 NOT_SPINE = {("LocalOptions", "device"),  # a process's --device, no stack option
              ("DrafterRoleConfig", "autoscale")}  # a policy object, its own defaults
 

@@ -29,24 +29,29 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from chainspec.strict_config import build_strict
+from chainspec.spine.read import validate
+from chainspec.spine.sections import AutoscaleSection
+from chainspec.spine.sections import default as spine_default
 
 SPEC = re.compile(r"auto:(\d+)-(\d+)")
 
 
 @dataclass(frozen=True)
 class AutoscalePolicy:
-    min_drafters: int = 1
-    max_drafters: int = 4
-    target_occupancy: float = 0.75  # running sequences per drafter / drafter_max_seqs
-    draft_wait_high_s: float = 0.02  # mean draft wait per round above this: one more
-    draft_wait_low_s: float = 0.005  # scale-in only with the wait under this (or no rounds)
-    up_window_s: float = 5.0  # every recommendation this long above now: scale out
-    down_window_s: float = 60.0  # every recommendation this long below now: scale in
-    cooldown_s: float = 10.0  # no decision this soon after the last one
-    interval_s: float = 1.0  # between samples of the signals
+    """Each field's type, default, bounds and meaning: the spine's AutoscaleSection."""
+
+    min_drafters: int = spine_default(AutoscaleSection, "min_drafters")
+    max_drafters: int = spine_default(AutoscaleSection, "max_drafters")
+    target_occupancy: float = spine_default(AutoscaleSection, "target_occupancy")
+    draft_wait_high_s: float = spine_default(AutoscaleSection, "draft_wait_high_s")
+    draft_wait_low_s: float = spine_default(AutoscaleSection, "draft_wait_low_s")
+    up_window_s: float = spine_default(AutoscaleSection, "up_window_s")
+    down_window_s: float = spine_default(AutoscaleSection, "down_window_s")
+    cooldown_s: float = spine_default(AutoscaleSection, "cooldown_s")
+    interval_s: float = spine_default(AutoscaleSection, "interval_s")
 
     def __post_init__(self) -> None:
+        validate(AutoscaleSection, dataclasses.asdict(self), "drafter.autoscale")
         if not 0 <= self.min_drafters <= self.max_drafters or self.max_drafters < 1:
             raise ValueError(f"autoscale needs 0 <= min_drafters <= max_drafters and "
                              f"max_drafters >= 1, got {self.min_drafters}-{self.max_drafters}")
@@ -69,7 +74,7 @@ class AutoscalePolicy:
 
     @classmethod
     def from_dict(cls, data: Any) -> AutoscalePolicy:
-        return build_strict(cls, data, "drafter.autoscale")
+        return cls(**dict(validate(AutoscaleSection, data, "drafter.autoscale")))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -21,7 +21,8 @@ from chainspec.spine.sections import (
     runtime_name,
 )
 
-NESTED = {"drafter", "verifier", "gateway", "speculative_config"}  # sections in a section
+# sections in a section
+NESTED = {"drafter", "verifier", "gateway", "speculative_config", "autoscale"}
 
 
 class ConfigError(ValueError):

@@ -62,12 +62,35 @@ class RoleSection(Section):
                                                "this", gt=0)
 
 
+class AutoscaleSection(Section):
+    """How the controller scales drafters (`cluster/autoscale.py`, `drafter.autoscale`;
+    chart values under `drafter.autoscale`, the bounds from the group's min/maxReplicas)."""
+
+    min_drafters: int = option(1, "fewest drafters", ge=0)
+    max_drafters: int = option(4, "most drafters", ge=1)
+    target_occupancy: float = option(0.75, "running sequences per drafter / "
+                                     "drafter_max_num_seqs to aim at", gt=0, le=1,
+                                     chart="targetOccupancy")
+    draft_wait_high_s: float = option(0.02, "mean draft wait per round above this: one "
+                                      "more drafter", ge=0, chart="draftWaitHighSeconds")
+    draft_wait_low_s: float = option(0.005, "scale in only with the wait under this (or "
+                                     "no rounds)", ge=0, chart="draftWaitLowSeconds")
+    up_window_s: float = option(5.0, "every recommendation this long above now: scale "
+                                "out", ge=0, chart="upWindowSeconds")
+    down_window_s: float = option(60.0, "every recommendation this long below now: scale "
+                                  "in", ge=0, chart="downWindowSeconds")
+    cooldown_s: float = option(10.0, "no decision this soon after the last one", ge=0,
+                               chart="cooldownSeconds")
+    interval_s: float = option(1.0, "between samples of the signals", gt=0,
+                               chart="intervalSeconds")
+
+
 class DrafterRoleSection(RoleSection):
     replicas: int | None = option(None, "drafter actors (null: 1 remote, 0 local)", ge=0)
     mode: Literal[DRAFTER_MODES] = option("remote", "remote: drafter actors over gRPC; "
                                           "local: each verifier drafts in process")
-    autoscale: dict[str, int | float] | None = option(
-        None, "drafter autoscaling policy (cluster/autoscale.py keys); remote mode only")
+    autoscale: AutoscaleSection | None = option(
+        None, "drafter autoscaling policy; remote mode only")
 
 
 class SpeculativeSection(Section):
