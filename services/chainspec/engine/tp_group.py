@@ -16,13 +16,14 @@ that every rank must answer, so a hung rank fails an idle group too (`Channel`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -95,6 +96,7 @@ class Channel:
         self.unresponsive: frozenset[int] = frozenset()
         self.heartbeats = 0  # answered by every rank
         self._sent = False
+        self._busy = 0  # calls of rank 0's in progress (`busy`)
         if tp.rank == 0 and tp.world > 1:
             every = min(heartbeat_s, idle_timeout_s / 3)
             threading.Thread(target=self._heartbeats, args=(every,), name="tp-heartbeat",
@@ -104,11 +106,24 @@ class Channel:
         while not self._closed and self.failure is None:
             time.sleep(min(every_s / 4, 1.0))
             # NOTE: from rank 0's first message on: before it, the ranks may still load
-            if self._sent and time.monotonic() - self._last_send > every_s:
+            if self._sent and not self._busy and \
+                    time.monotonic() - self._last_send > every_s:
                 try:
                     self.heartbeat()
                 except RuntimeError:  # a lost peer: recorded, the next step reports it
                     return
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Rank 0 runs a call the other ranks run too: no heartbeat meanwhile (their
+        answer would wait for the whole call, which may outlast the step timeout while
+        each collective inside it does not); idleness counts from its end."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+            self._last_send = time.monotonic()
 
     def heartbeat(self) -> None:
         """Rank 0: ping every rank and wait for their answers (RuntimeError, and the
@@ -329,16 +344,19 @@ class TPLeader(nn.Module):
                                backend.batch_size, backend.seq_len, backend.scale))
         else:
             raise TypeError(f"no tensor-parallel mirror for {type(backend).__name__}")
-        return self.shard(input_ids, positions, backend)
+        with self.channel.busy():
+            return self.shard(input_ids, positions, backend)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self.channel.send(("logits", hidden))
-        return self.shard.logits(hidden)
+        with self.channel.busy():
+            return self.shard.logits(hidden)
 
     def fingerprint(self) -> str:
         """The pairing fingerprint of the whole model (`engine/fingerprint.py`)."""
         self.channel.send(("fingerprint",))
-        return group_fingerprint(self.shard, self.tp)
+        with self.channel.busy():
+            return group_fingerprint(self.shard, self.tp)
 
     def close(self) -> None:
         self.channel.send(("stop",))
@@ -402,15 +420,18 @@ class DraftLeader(nn.Module):
                                backend.cache.num_layers))
         self.channel.send(("draft_step", step, tokens, prev, positions,
                            backend.batch, backend.scale))
-        return self.shard.step(step, tokens, prev, positions, backend)
+        with self.channel.busy():
+            return self.shard.step(step, tokens, prev, positions, backend)
 
     def logits(self, step: int, g: torch.Tensor) -> torch.Tensor:
         self.channel.send(("draft_logits", step, g))
-        return self.shard.logits(step, g)
+        with self.channel.busy():
+            return self.shard.logits(step, g)
 
     def fingerprint(self) -> str:
         self.channel.send(("fingerprint",))
-        return group_fingerprint(self.shard, self.tp)
+        with self.channel.busy():
+            return group_fingerprint(self.shard, self.tp)
 
     def close(self) -> None:
         self.channel.send(("stop",))
