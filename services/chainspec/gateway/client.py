@@ -40,7 +40,8 @@ RETRY_STATUSES = (429, 503)  # a full or draining verifier: the next one may tak
 
 @dataclass(frozen=True)
 class Processing:
-    """Logits processing and logprobs (verifier.proto SamplingParams 5..11); defaults: off."""
+    """Logits processing, logprobs and the grammar (verifier.proto SamplingParams 5..12);
+    defaults: off."""
 
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
