@@ -102,7 +102,7 @@ def test_aiperf_benchmarks_the_stack_and_reads_its_metrics(served, tmp_path):
     assert report["request_error_rate"]["avg"] == 0 and not report.get("error_summary")
     # the server's usage, parsed from the stream
     assert report["total_usage_completion_tokens"]["avg"] == REQUESTS * OSL
-    assert report["usage_prompt_tokens"]["avg"] == ISL
+    assert abs(report["usage_prompt_tokens"]["avg"] - ISL) <= 1  # its text, our tokenizer
     assert report["time_to_first_token"]["avg"] > 0
     assert report["inter_token_latency"]["avg"] > 0
     # what it read from the gateway's /metrics: deltas over its profiling run
