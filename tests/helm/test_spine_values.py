@@ -143,3 +143,35 @@ def test_a_flag_its_alias_and_its_chart_value_make_one_config(tmp_path, alias, v
     charted = stack_config(template(*base, *values))
     assert all(c == charted for c in configs), (configs[0], charted)
     assert charted != stack_config(template(*base))
+
+
+# the gateway's chart values -> the flags serve takes for the same gateway keys
+GATEWAY = [
+    (["--set", "gateway.maxLogprobs=5"], ["--max-logprobs", "5"]),
+    (["--set", "gateway.generationConfig=vllm"], ["--generation-config", "vllm"]),
+    (["--set", "model.name=m1"], ["--served-model-name", "m1"]),
+    (["--set", "model.name=m1"], ["--model-name", "m1"]),
+    (["--set", "gateway.maxN=3"], ["--max-n", "3"]),
+    (["--set", "gateway.trustRequestChatTemplate=true"], ["--trust-request-chat-template"]),
+]
+
+
+@pytest.mark.parametrize("values,flags", GATEWAY, ids=lambda v: " ".join(v))
+def test_a_gateway_value_makes_the_gateway_config_its_flag_makes(values, flags) -> None:
+    """The chart's gateway command, as parsed, equals `serve <flags>`'s gateway (but for
+    where it listens), and the value changed it."""
+    from chainspec.commands import gateway as gateway_command
+    from chainspec.commands import serve
+    from tests.helm.commands import invocations
+
+    def charted(*args: str):
+        [deploy] = of_kind(template(*args), "Deployment")
+        [run] = [i for i in invocations(deploy["spec"]["template"]["spec"]["containers"][0])
+                 if i.command == "gateway"]
+        return gateway_command.resolve(PARSER.parse_args(list(run.argv)))
+
+    got = charted(*values)
+    want = serve.resolve(PARSER.parse_args(["serve", "--host", got.host, "--port",
+                                            str(got.port), *flags])).gateway
+    assert got == want
+    assert got != charted()

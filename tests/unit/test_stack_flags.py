@@ -1,7 +1,7 @@
 """One config path for `chainspec serve` and `chainspec up`: every stack flag, alone, over
 a file, and all together, resolves to the same `StackConfig` through both commands and
 changes the field its row names; an empty or unreadable `--config` is refused the same
-way by both; every config level is built by the one strict helper."""
+way by both; every config level is validated by the spine (spine/read.py)."""
 
 from __future__ import annotations
 
