@@ -80,6 +80,8 @@ def test_counters_stay_monotonic_as_verifiers_leave_restart_and_miss_scrapes():
     assert drafts() == 15
     view.update({"v0": None, "v1": verifier(6, (1, 0, 0), 1, 0.4)})  # v0 did not answer
     assert drafts() == 16
+    view.update({"v0": "<html>502</html>{", "v1": verifier(6, (1, 0, 0), 1, 0.4)})
+    assert drafts() == 16  # an answer that is no exposition: a missed scrape too
     view.update({"v1": verifier(7, (1, 0, 0), 1, 0.4)})  # v0 left: its 10 still count
     assert drafts() == 17
     assert value(samples(view), "vllm:num_requests_running") == 1  # gauges: live ones only

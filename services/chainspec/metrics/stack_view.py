@@ -100,9 +100,12 @@ class StackView:
         for member, text in scrapes.items():
             if member in self.gone:  # back (a membership blip, or restarted)
                 self.live[member] = self.gone.pop(member)
-            if text is None:
+            try:
+                mono, gauges, names = parse(text) if text is not None else (None, None, None)
+            except ValueError:  # not an exposition (a proxy's error page): a missed scrape
+                mono = None
+            if mono is None:
                 continue
-            mono, gauges, names = parse(text)
             old = self.live.get(member, {})
             if any(mono.get(key, 0.0) < value for key, value in old.items()):
                 for key, value in old.items():  # a restart: its counters began again
