@@ -164,3 +164,22 @@ def test_start_refuses_what_cannot_run(compiler) -> None:
     with pytest.raises(ValueError, match="does not follow"):
         start_grammar(grammar, (A, A), StopConditions(), 40)
     assert not start_grammar(grammar, (A,), StopConditions(), 40).terminated
+
+
+def test_guide_drafts_what_the_grammar_forces(compiler) -> None:
+    grammar = compiler.compile(GrammarSpec(GrammarKind.REGEX, "a(bc)+d"))
+    m = grammar.matcher([A])  # "a": "bc" is forced next ("b", then "c")
+    assert m.guide([X, X, X]) == ([B, C], [True, True])  # drafts for other text dropped
+    assert fresh_allowed(grammar, [A]) == {B}
+    after = torch.zeros(1, 2, dtype=torch.int32)
+    m.fill_window([], after)
+    assert allowed(after[0]) == {B}  # the matcher is left as it was
+
+
+def test_guide_keeps_the_first_refused_draft_and_stops(compiler) -> None:
+    grammar = compiler.compile(GrammarSpec(GrammarKind.REGEX, "[ab]+[cd]"))
+    m = grammar.matcher([A])
+    assert m.guide([B, X, A, C]) == ([B, X], [False, False])  # X is rejected by the verifier
+    # after "c" only EOS may follow: "d" is refused, kept, and ends the drafts
+    assert m.guide([B, C, D, A]) == ([B, C, D], [False, False, False])
+    assert m.guide([]) == ([], [])
