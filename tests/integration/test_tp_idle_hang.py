@@ -15,7 +15,7 @@ import pytest
 
 from chainspec.cluster import stack
 from chainspec.cluster.config import DrafterRoleConfig, RoleConfig, StackConfig
-from chainspec.engine.tp_group import HEARTBEAT_S
+from chainspec.engine.tp_channel import HEARTBEAT_S
 from tests.integration.helpers import generate, plain_outputs, prompt_ids, verifier_stub, wait_for
 
 pytestmark = pytest.mark.timeout(180)

@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from chainspec.engine.tp_group import SLAB
+from chainspec.engine.tp_channel import SLAB
 from chainspec.engine.tp_packing import PICKLED, pack, unpack
 from chainspec.models.attention import AttnBatch, SeqRows
 

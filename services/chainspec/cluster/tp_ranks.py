@@ -72,7 +72,7 @@ class RayGroup:
     def rank_states(self) -> list[dict]:
         """Every rank (0 = this process): rank, pid, node, state (alive; dead: its `serve`
         ended, which a live group's never does; hung: it did not answer rank 0's
-        heartbeat, `engine/tp_group.Channel`)."""
+        heartbeat, `engine/tp_channel.Channel`)."""
         import os
 
         ended, _ = ray.wait(self.served, num_returns=len(self.served), timeout=0)

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import torch
 
+from chainspec.engine.tp_channel import HEARTBEAT_S, IDLE_TIMEOUT_S
 from chainspec.engine.tp_group import (
     COLLECTIVE_TIMEOUT_S,
-    HEARTBEAT_S,
-    IDLE_TIMEOUT_S,
     DraftLeader,
     GroupAddress,
     TPLeader,
