@@ -6,19 +6,17 @@ import argparse
 import shlex
 import sys
 
+from chainspec.training.trainer_args import DESCRIPTION, add_arguments
+
 
 def add_parser(sub) -> list[str]:
-    # NOTE: the trainer's own parser reads the arguments (in `run`): building it imports
-    # torch, which no other command's --help should wait for. "+" as the prefix makes
-    # every argument, --help included, the trainer's.
-    p = sub.add_parser("train-demo", help="train the bundled demo model", add_help=False,
-                       prefix_chars="+")
-    p.add_argument("trainer_args", nargs=argparse.REMAINDER)
+    p = sub.add_parser("train-demo", help="train the bundled demo model",
+                       description=DESCRIPTION)
+    add_arguments(p)
     return ["train-demo"]
 
 
 def run(args: argparse.Namespace) -> int:
-    from chainspec.training import trainer
+    from chainspec.training import trainer  # NOTE: torch loads here, not for --help
 
-    parsed = trainer.build_parser().parse_args(args.trainer_args)
-    return trainer.run(parsed, "chainspec " + shlex.join(sys.argv[1:]))
+    return trainer.run(args, "chainspec " + shlex.join(sys.argv[1:]))

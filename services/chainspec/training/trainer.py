@@ -28,6 +28,7 @@ from chainspec.training.export import load_model, write_weights
 from chainspec.training.objective import distill_loss, joint_loss, run_model
 from chainspec.training.recipe import PRESETS, Recipe, with_steps
 from chainspec.training.stage import LogRow, Stage
+from chainspec.training.trainer_args import build_parser
 
 
 @dataclass(frozen=True)
@@ -126,25 +127,6 @@ def train(recipe: Recipe, out_dir: Path, command: str, stdlib: Path | None = Non
                          prompts, files)
     (out_dir / "README.md").write_text(model_card.render(report))
     return report
-
-
-DESCRIPTION = ("Train the demo model (Llama target + chained MTP modules) on the Python "
-               "standard library and write a Hugging Face folder with a model card.")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="chainspec train-demo", description=DESCRIPTION)
-    add_arguments(p)
-    return p
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, required=True, help="output folder")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="demo")
-    p.add_argument("--joint-steps", type=int, help="override the joint stage's steps")
-    p.add_argument("--distill-steps", type=int, help="override the distill stage's steps")
-    p.add_argument("--stdlib", type=Path, help="corpus root (default: this Python's stdlib)")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
 
 
 def main(argv: list[str] | None = None) -> int:
