@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from chainspec.engine.local import DEMO_MODEL
-from tests.hf_cache import add_to_cache
 from tests.helm.render import CASES, HelmError, of_kind, pod_templates, template
+from tests.hf_cache import add_to_cache
 
 CASE = CASES["hub-model"]
 HUB_ID = "XiaomiMiMo/MiMo-7B-RL"
