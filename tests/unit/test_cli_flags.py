@@ -28,7 +28,7 @@ def test_building_every_parser_imports_no_heavy_module() -> None:
     assert json.loads(out.replace("'", '"')) == []
 
 
-@pytest.mark.parametrize("argv", [["serve", "--api-key", "sk-test"],  # not --api-key-file
+@pytest.mark.parametrize("argv", [["serve", "--api-key-fil", "k"],  # not --api-key-file
                                   ["serve", "--max-num-seq", "4"],  # not --max-num-seqs
                                   ["up", "--drafter-gpu", "1"]])  # not --drafter-gpus
 def test_no_flag_is_read_as_another_by_its_prefix(argv, capsys) -> None:
@@ -48,12 +48,25 @@ def test_a_vllm_flag_chainspec_cannot_honour_is_refused_by_name(flag, command, c
         main([*argv, "--dry-run"])
     shown = " ".join(argv[1:])
     assert e.value.code == 2
-    assert capsys.readouterr().err == f"chainspec {command}: {shown} is not supported\n"
+    err = capsys.readouterr().err
+    assert err.startswith(f"chainspec {command}: {shown} is not supported (") and \
+        err.count("\n") == 1
+
+
+def test_vllms_api_key_flag_is_refused_without_echoing_the_key(capsys) -> None:
+    """Before, `--api-key sk-test` was read as `--api-key-file sk-test` (a prefix)."""
+    for argv in (["serve"], ["gateway", "--verifier", "h:1"]):
+        with pytest.raises(SystemExit):
+            main([*argv, "--api-key", "sk-test", "--dry-run"])
+        err = capsys.readouterr().err
+        assert "--api-key is not supported" in err and "--api-key-file" in err
+        assert "sk-test" not in err
 
 
 def test_a_refused_flag_at_its_neutral_value_passes() -> None:
-    assert REFUSED["--pipeline-parallel-size"] == "1"
-    args = PARSER.parse_args(["serve", "--pipeline-parallel-size", "1", "-dp", "1"])
+    assert REFUSED["--pipeline-parallel-size"][0] == "1"
+    args = PARSER.parse_args(["serve", "--pipeline-parallel-size", "1", "-dp", "1",
+                              "--enable-chunked-prefill"])
     assert serve.resolve(args).stack.verifier.tensor_parallel_size == 1
 
 

@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING
 from chainspec.commands.serve import add_gateway_flags, read_api_key
 from chainspec.commands.server_args import add_token_args, read_token
 from chainspec.commands.signals import until_stopped
-from chainspec.commands.stack_flags import GATEWAY_FLAGS, flag_names, stack_overrides
+from chainspec.commands.stack_flags import (
+    GATEWAY_FLAGS,
+    SECRET,
+    add_refused_flags,
+    flag_names,
+    stack_overrides,
+)
 from chainspec.spine.sections import StackSection
 
 if TYPE_CHECKING:
@@ -40,6 +46,7 @@ def add_parser(sub) -> list[str]:
     p.add_argument("--namespace", default=NAMESPACE, help="Ray namespace of the stack")
     p.add_argument("--model", type=Path, help="model directory, for its chat template")
     add_gateway_flags(p)  # --host, --port, --served-model-name, --chat-template, ...
+    add_refused_flags(p, SECRET)  # vLLM's --api-key: refused without echoing the key
     p.add_argument("--api-key-file", type=Path, help="require this API key "
                                                      "(default: $CHAINSPEC_API_KEY when set)")
     add_token_args(p)

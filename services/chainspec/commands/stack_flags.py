@@ -238,36 +238,62 @@ def add_flags(p: argparse.ArgumentParser, keys: Sequence[str] | None = None,
         p.add_argument(*names, dest=row.dest, default=None, **argparse_options(row))
 
 
-# vLLM flags chainspec cannot honour -> the one value it can (None: none)
-REFUSED = {"--quantization": None, "-q": None, "--pipeline-parallel-size": "1",
-           "-pp": "1", "--data-parallel-size": "1", "-dp": "1", "--kv-cache-dtype": "auto",
-           "--enable-lora": None, "--lora-modules": None, "--cpu-offload-gb": "0",
-           "--swap-space": None, "--load-format": "auto", "--tokenizer": None,
-           "--tokenizer-mode": "auto", "--enable-chunked-prefill": None,
-           "--max-num-batched-tokens": None, "--enable-expert-parallel": None,
-           "--distributed-executor-backend": None, "--trust-remote-code": None,
-           "--enable-auto-tool-choice": None, "--tool-call-parser": None,
-           "--reasoning-parser": None, "--max-loras": None, "--rope-scaling": None}
+BARE = ""  # a REFUSED flag's neutral "value": given alone, without one
+_ONE = "chainspec runs one copy of the model per member (scale with --verifiers/--drafters)"
+# vLLM flags chainspec cannot honour -> (the one value it can take, None: none; why)
+REFUSED: dict[str, tuple[str | None, str]] = {
+    "--quantization": (None, "weights load in --dtype"), "-q": (None, "weights load in "
+                                                              "--dtype"),
+    "--pipeline-parallel-size": ("1", "no pipeline parallelism; -tp splits a member"),
+    "-pp": ("1", "no pipeline parallelism; -tp splits a member"),
+    "--data-parallel-size": ("1", _ONE), "-dp": ("1", _ONE),
+    "--kv-cache-dtype": ("auto", "the KV cache is kept in --dtype"),
+    "--enable-lora": (None, "no LoRA adapters"), "--lora-modules": (None, "no LoRA adapters"),
+    "--max-loras": (None, "no LoRA adapters"),
+    "--cpu-offload-gb": ("0", "no weight offloading"), "--swap-space": (None, "preempted "
+                                                                        "sequences recompute"),
+    "--load-format": ("auto", "safetensors checkpoints only"),
+    "--tokenizer": (None, "the model directory's tokenizer.json is used"),
+    "--tokenizer-mode": ("auto", "the model directory's tokenizer.json is used"),
+    "--enable-chunked-prefill": (BARE, "prefill is always chunked"),
+    "--max-num-batched-tokens": (None, "the step budget follows --max-num-seqs and K"),
+    "--enable-expert-parallel": (None, "experts split with -tp"),
+    "--distributed-executor-backend": ("ray", "members are Ray actors"),
+    "--trust-remote-code": (None, "no checkpoint code runs: the families chainspec "
+                                  "implements need none"),
+    "--enable-auto-tool-choice": (None, "no tool calling"),
+    "--tool-call-parser": (None, "no tool calling"),
+    "--reasoning-parser": (None, "no reasoning parser"),
+    "--rope-scaling": (None, "RoPE scaling comes from the model's config.json"),
+    "--api-key": (None, "a key never goes on the command line: --api-key-file or "
+                        "$CHAINSPEC_API_KEY"),
+}
+SECRET = {"--api-key"}  # refused without echoing the value
 
 
 class Refused(argparse.Action):
-    """A vLLM flag chainspec cannot honour: one line naming it (its neutral value, if
-    any, passes: `-pp 1` is fine)."""
+    """A vLLM flag chainspec cannot honour: one line naming it and why (its neutral
+    value, if any, passes: `-pp 1` is fine)."""
 
-    def __init__(self, option_strings, dest, neutral: str | None = None, **kwargs) -> None:
-        self.neutral = neutral
+    def __init__(self, option_strings, dest, neutral: str | None = None, why: str = "",
+                 **kwargs) -> None:
+        self.neutral, self.why = neutral, why
         super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        if self.neutral is not None and values == self.neutral:
+        if self.neutral is not None and (values or BARE) == self.neutral:
             return
-        shown = option_string if values is None else f"{option_string} {values}"
-        parser.exit(2, f"{parser.prog}: {shown} is not supported\n")
+        hidden = values is None or option_string in SECRET
+        shown = option_string if hidden else f"{option_string} {values}"
+        parser.exit(2, f"{parser.prog}: {shown} is not supported ({self.why})\n")
 
 
-def add_refused_flags(p: argparse.ArgumentParser) -> None:
-    for name, neutral in REFUSED.items():
-        p.add_argument(name, action=Refused, neutral=neutral,
+def add_refused_flags(p: argparse.ArgumentParser, names=None) -> None:
+    """The REFUSED flags (or those `names` of them)."""
+    for name, (neutral, why) in REFUSED.items():
+        if names is not None and name not in names:
+            continue
+        p.add_argument(name, action=Refused, neutral=neutral, why=why,
                        dest="refused_" + name.lstrip("-").replace("-", "_"))
 
 
