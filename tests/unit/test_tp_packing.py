@@ -59,7 +59,7 @@ def test_every_field_kind_round_trips(no_pickle) -> None:
     msg = ("draft_step", 2, torch.tensor([1, 2, 3]), hidden.to(torch.bfloat16),
            hidden[:, 1:4],  # not contiguous
            torch.tensor(7), torch.tensor([True, False]), torch.zeros(0, 4, dtype=torch.int32),
-           None, -3, 1e-300, (4, -1, 0))
+           None, -3, True, 1e-300, (4, -1, 0))
     got = unpack(pack(msg))
     assert same(got, (*msg[:4], hidden[:, 1:4].contiguous(), *msg[5:]))
     assert unpack(pack(("stop",))) == ("stop",)

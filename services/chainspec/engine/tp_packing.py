@@ -1,8 +1,8 @@
 """A tensor-parallel group's command messages as one flat byte tensor (no pickle on the
-step path; `engine/tp_group.Channel` sends it).
+step path; `engine/tp_channel.Channel` sends it).
 
-A message is a tuple: a kind (a str of `KINDS`) and fields, each None, an int, a float, a
-tensor, an int tuple or an `AttnBatch`. Its packed form is
+A message is a tuple: a kind (a str of `KINDS`) and fields, each None, a bool, an int, a
+float, a tensor, an int tuple or an `AttnBatch`. Its packed form is
 
     [header length n: int64][header: n int64][payload: each tensor's bytes, 8-aligned]
 
@@ -27,7 +27,7 @@ KINDS = ("stop", "ping", "paged", "dense", "logits", "draft_step", "draft_logits
 PICKLED = -1
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.float64)
-NONE, INT, FLOAT, TENSOR, INTS, BATCH = range(6)
+NONE, INT, FLOAT, TENSOR, INTS, BATCH, BOOL = range(7)
 ALIGN = 8
 
 
@@ -68,8 +68,10 @@ class _Writer:
     def value(self, v) -> None:
         if v is None:
             self.head.append(NONE)
-        elif isinstance(v, bool | int):
-            self.head += [INT, int(v)]
+        elif isinstance(v, bool):
+            self.head += [BOOL, int(v)]
+        elif isinstance(v, int):
+            self.head += [INT, v]
         elif isinstance(v, float):
             self.head += [FLOAT, struct.unpack("<q", struct.pack("<d", v))[0]]
         elif isinstance(v, torch.Tensor):
@@ -121,6 +123,8 @@ class _Reader:
             return None
         if tag == INT:
             return self.next()
+        if tag == BOOL:
+            return bool(self.next())
         if tag == FLOAT:
             return struct.unpack("<d", struct.pack("<q", self.next()))[0]
         if tag == TENSOR:
