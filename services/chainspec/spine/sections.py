@@ -2,7 +2,7 @@
 name, as in vLLM: `max_model_len` is `--max-model-len`), type, default, bounds and help.
 
 One frozen, strict pydantic model per section (a stack, its drafter and verifier roles,
-the gateway, `serve`'s extras). Strict means a YAML `max_model_len: "4096"` or a quoted
+the drafter autoscale policy, `speculative_config`, the gateway, `serve`'s extras). Strict means a YAML `max_model_len: "4096"` or a quoted
 `chain: "false"` is refused, never coerced; unknown keys are refused too (`read.py`
 turns either into one line naming the key and where it came from).
 
@@ -10,7 +10,9 @@ An option whose runtime field (`StackConfig`, `LocalOptions`, `GatewayConfig`: t
 objects the engines, Ray actors and gateway take) has another name says so with
 `field=`; that old name stays accepted in files with a deprecation warning. `chart=` names
 the chart value (`helm/chainspec/values.yaml`) that sets it. Adding an option: a line
-here, its flag row (`commands/stack_flags.py`), its chart value; nothing else.
+here, its flag row (`commands/stack_flags.py`), its chart value (values.yaml and the
+schema), and the runtime field that carries it (one line reading its default here;
+`tests/unit/test_config_spine.py` fails until it exists), then the code that uses it.
 
 NOTE: light on purpose (pydantic only): `chainspec --help` builds every parser from here.
 """
@@ -27,7 +29,6 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")  # auto: checkpoint's (
 SPECULATIVE_DEPTHS = ("fixed", "adaptive")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DRAFTER_MODES = ("remote", "local")
-Port = int  # NOTE: bounds given per field (0: any free port)
 
 
 def option(default: Any, help: str, *, field: str | None = None, old: str | None = None,
