@@ -2,9 +2,10 @@
 name, as in vLLM: `max_model_len` is `--max-model-len`), type, default, bounds and help.
 
 One frozen, strict pydantic model per section (a stack, its drafter and verifier roles,
-the drafter autoscale policy, `speculative_config`, the gateway, `serve`'s extras). Strict means a YAML `max_model_len: "4096"` or a quoted
-`chain: "false"` is refused, never coerced; unknown keys are refused too (`read.py`
-turns either into one line naming the key and where it came from).
+the drafter autoscale policy, `speculative_config`, the gateway, `serve`'s extras).
+Strict means a YAML `max_model_len: "4096"` or a quoted `chain: "false"` is refused,
+never coerced; unknown keys are refused too (`read.py` turns either into one line naming
+the key and where it came from).
 
 An option whose runtime field (`StackConfig`, `LocalOptions`, `GatewayConfig`: the
 objects the engines, Ray actors and gateway take) has another name says so with
