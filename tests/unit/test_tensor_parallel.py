@@ -176,6 +176,22 @@ def test_greedy_and_speculative_equal_tp1(group):
         assert accepted == _generate.accepted  # TP=1's verdicts, draft for draft
 
 
+def test_prefix_cache_hits_on_a_group_equal_tp1_without_caching(group):
+    """Requests one after another sharing a prefix (prefix caching on, the default):
+    rank 0 hands out shared blocks, every rank reads them, output is TP=1's uncached."""
+    opts, reference, leader = group
+    off = dataclasses.replace(opts, use_graphs=False, enable_prefix_caching=False)
+    shared = [(3 * i) % 50 + 1 for i in range(13)]
+    prompts = [shared + p for p in PROMPTS]
+    plain = [_generate(build_verifier(reference, off, speculative=False), [p])[0]
+             for p in prompts]
+    on = dataclasses.replace(off, enable_prefix_caching=True)
+    engine = build_verifier(LoadedModels(leader, reference.draft), on, speculative=True)
+    assert [_generate(engine, [p])[0] for p in prompts] == plain
+    cache = engine.allocator.cache
+    assert cache is None or cache.hits > 0  # None: a model with states or windows
+
+
 def test_each_rank_holds_half_of_the_sharded_parameters(group):
     opts, reference, leader = group
     shard = leader.shard
