@@ -44,8 +44,9 @@ def unseeded_drawing(seeds):
     """Requests sent without a seed draw theirs from `seeds` at admission (reproducible
     tests of the unseeded path)."""
     it = iter(seeds)
-    return mock.patch.object(SamplingParams, "resolve_seed", lambda self: self if
-                             self.seed is not None else dataclasses.replace(self, seed=next(it)))
+    return mock.patch.object(SamplingParams, "resolve_seed", lambda self, _draws=None: self
+                             if self.seed is not None else dataclasses.replace(self,
+                                                                               seed=next(it)))
 
 
 def first_two(eng, seed_base: int, seeded: bool = True) -> collections.Counter:
