@@ -108,3 +108,36 @@ def test_request_cap_is_honoured(demo_models, heldout_prompts, plain, depth):
             assert stats.draft_tokens <= stats.rounds
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         eng.add_request("bad", prompts[0], GREEDY, STOP, num_speculative_tokens=-1)
+
+
+class PlainSpells(RandomDepth):
+    """Every verify window at depth 0 on steps `start <= n < stop` of the engine, its cap
+    otherwise."""
+
+    def __init__(self, engine, start: int, stop: int) -> None:
+        super().__init__(0)
+        self.engine, self.start, self.stop = engine, start, stop
+
+    def depths(self, keys, caps, other_rows=0):
+        off = self.start <= self.engine.steps < self.stop
+        return [0] * len(caps) if off else list(caps)
+
+
+def test_steps_that_draft_nothing_run_no_draft_round(demo_models, heldout_prompts, plain):
+    """While every sequence is at depth 0 the drafter gets no update (no round); the rows
+    it missed go with the next update, and drafts are as good afterwards."""
+    opts, models = demo_models
+    opts = dataclasses.replace(opts, num_steps=3, speculative_depth="adaptive")
+    eng = build_verifier(models, opts, True)
+    eng.depth = PlainSpells(eng, 4, 12)
+    sent: list[tuple[int, list]] = []
+    inner = eng.drafter.submit
+    eng.drafter.submit = lambda updates: (sent.append((eng.steps, list(updates))),
+                                          inner(updates))[1]
+    tokens, completions = run(eng, heldout_prompts[:3], 3)
+    assert tokens == plain[:3]
+    assert not [s for s, _ in sent if 4 <= s < 12]  # no round while nobody drafts
+    resumed = next(ups for s, ups in sent if s >= 12)
+    assert all(len(u.tokens) >= 8 for u in resumed)  # the held rows went with it
+    stats = merged_stats(completions, opts.num_steps)
+    assert stats.accepted_tokens > 0.3 * stats.draft_tokens  # the drafter stayed in sync

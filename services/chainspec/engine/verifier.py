@@ -115,6 +115,7 @@ class VerifierEngine(DraftProtocol):
         self._step_ahead = [0, 0]  # this step's hits, misses (for the observer)
         self._turn = 0  # the group whose step is next
         self.depth = AdaptiveDepth(config.num_steps) if config.adaptive_depth else None
+        self.held: dict[int, tuple] = {}  # rows waiting for a round with drafts (_hold)
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
@@ -344,7 +345,7 @@ class VerifierEngine(DraftProtocol):
         preemption.requeue(req)
         self.waiting.insert(0, req)
         if self.drafter is not None:
-            self.drafter.release([self.seq_ids[req.request_id]])
+            self._release_drafter(req)
 
     def _reap(self) -> list[RequestOutput]:
         """Finished requests leave: free the slot, release the drafter's state."""
@@ -364,7 +365,7 @@ class VerifierEngine(DraftProtocol):
                 req.blocks.release(self.allocator)
                 self.claims.release(req.claims)
             if self.drafter is not None:
-                self.drafter.release([self.seq_ids[req.request_id]])
+                self._release_drafter(req)
             if self.depth is not None:
                 self.depth.forget(self.seq_ids[req.request_id])
             del self.by_id[req.request_id], self.seq_ids[req.request_id]

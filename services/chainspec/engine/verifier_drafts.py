@@ -73,6 +73,7 @@ class DraftProtocol:
     def _resync_update(self, req: Request) -> SeqUpdate:
         """Rebuild the drafter's state: recompute h for the committed prefix (DESIGN 3.4)."""
         n = req.num_computed
+        self.held.pop(self.seq_ids[req.request_id], None)  # NOTE: the resync covers them
         ids = torch.tensor(req.tokens[:n], device=self.device)
         # NOTE: dense recompute, no KV writes: the target's cache stays as plain decoding
         # built it, so resync cannot change any output token.
@@ -129,11 +130,43 @@ class DraftProtocol:
         # drafts for x[N] may follow it.
         wants = (verdict is not None or item.start + rows == req.recompute_len) and \
             req.wants_drafts
-        return SeqUpdate(self.seq_ids[req.request_id], item.start, tokens, hidden,
+        start = item.start
+        if item.kind is WorkKind.VERIFY and not ahead:
+            held = self._hold(req, start, tokens, hidden, wants)
+            if held is None:
+                return None
+            start, tokens, hidden = held
+        return SeqUpdate(self.seq_ids[req.request_id], start, tokens, hidden,
                          want_drafts=wants, sampling=self._draft_sampling(req),
                          look_ahead=ahead, verifying=verifying,
-                         cache_keys=self._draft_keys(req, item.start, item.start + rows,
-                                                     opens))
+                         cache_keys=self._draft_keys(req, start, item.start + rows, opens))
+
+    def _hold(self, req: Request, start: int, tokens: tuple[int, ...], hidden: torch.Tensor,
+              wants: bool) -> tuple[int, tuple[int, ...], torch.Tensor] | None:
+        """Adaptive depth (4.11): the rows of a sequence that asks for no drafts wait here
+        and go with its next update that asks for some, so a step where no sequence
+        drafts runs no draft round at all (the drafter continues from `start` as ever).
+        None: nothing to send now. A request capped at 0 never drafts: its drafter state
+        is released instead."""
+        seq_id = self.seq_ids[req.request_id]
+        if req.max_drafts == 0:
+            self._release_drafter(req)
+            req.drafter_synced = False  # NOTE: no resync is scheduled: none is ever needed
+            return None
+        held = self.held.pop(seq_id, None)
+        if held is not None:
+            start, tokens = held[0], held[1] + tokens
+            hidden = torch.cat([held[2], hidden])  # [rows, H]
+        if wants:
+            return start, tokens, hidden
+        self.held[seq_id] = (start, tokens, hidden if held is not None else hidden.clone())
+        return None
+
+    def _release_drafter(self, req: Request) -> None:
+        """The drafter forgets the sequence; rows held for it go too."""
+        seq_id = self.seq_ids[req.request_id]
+        self.held.pop(seq_id, None)
+        self.drafter.release([seq_id])
 
     def _draft_keys(self, req: Request, start: int, end: int, opens: bool = True
                     ) -> tuple[tuple[int, bytes], ...]:
