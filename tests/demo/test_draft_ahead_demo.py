@@ -1,5 +1,5 @@
 """Draft-ahead's hit path on the demo model (DESIGN 4.8): a hit's next round verifies the
-look-ahead's K-1 drafts, the update tells the drafter so, and the step that runs it waits
+look-ahead's K drafts (a hit loses no draft), the update tells the drafter so, and the step that runs it waits
 for no drafts."""
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ def test_hits_verify_the_look_ahead_drafts_and_tell_the_drafter(demo_models, hel
     # every hit's next round verifies the look-ahead, unless the hit ended its request
     assert eng.ahead_hits - len(prompts) <= len(verified) <= eng.ahead_hits
     assert len(verified) > 0
-    assert all(w.num_drafts == 2 for w in verified), "a look-ahead proposes K-1 drafts"
+    assert all(w.num_drafts == 3 for w in verified), "a look-ahead proposes K drafts"
     told = [u for u in sent if u.verifying]
     assert len(told) == len(verified), "each hit round's update names its drafts"
-    assert all(len(u.verifying) == 2 and u.look_ahead for u in told)
+    assert all(len(u.verifying) == 3 and u.look_ahead for u in told)
 
 
 class SlowDrafter(LocalDraftClient):
@@ -126,8 +126,30 @@ def test_metrics_count_hits_misses_and_look_ahead_acceptance(demo_models,
         return vm.registry.get_sample_value(name, {"model_name": "demo", **labels}) or 0.0
     assert value("chainspec_draft_ahead_verdicts_total", result="hit") == eng.ahead_hits > 0
     assert value("chainspec_draft_ahead_verdicts_total", result="miss") == eng.ahead_misses
-    assert value("chainspec_draft_ahead_draft_tokens_total") == 2 * len(verified)
+    assert value("chainspec_draft_ahead_draft_tokens_total") == 3 * len(verified)
     per_pos = [value("chainspec_draft_ahead_accepted_tokens_per_pos_total", position=str(i))
-               for i in range(2)]
-    assert per_pos == [sum(a > i for _, a in verified) for i in range(2)]
-    assert per_pos[0] >= per_pos[1] > 0
+               for i in range(3)]
+    assert per_pos == [sum(a > i for _, a in verified) for i in range(3)]
+    assert per_pos[0] >= per_pos[1] >= per_pos[2] > 0
+
+
+def _hit_rate(demo_models, prompts, **ahead) -> tuple[VerifierEngine, float]:
+    opts, models = demo_models
+    client = LocalDraftClient(DrafterEngine(models.draft, DrafterConfig(
+        num_steps=3, max_seqs=8, max_len=opts.max_len, **ahead)))
+    eng = _engine(demo_models, 3, client=client, draft_ahead=True)
+    for p in prompts:  # one at a time: the budget is the sequence's alone
+        got = run_to_completion(eng, [p], GREEDY, STOP).completions[0].tokens
+        assert got == _plain(demo_models, [p])[0]
+    return eng, eng.ahead_hits / (eng.ahead_hits + eng.ahead_misses)
+
+
+def test_more_hypotheses_hit_more_often(demo_models, heldout_prompts) -> None:
+    prompts = heldout_prompts[:3]
+    # one hypothesis: the budget holds only the likeliest window (2 history + 4 rows)
+    one, single = _hit_rate(demo_models, prompts, ahead_fanout=1, ahead_rows=6)
+    many, multi = _hit_rate(demo_models, prompts, ahead_fanout=2, ahead_rows=10_000)
+    assert set(one.ahead_rank_hits) == {0}
+    assert multi > single, (multi, single)
+    assert sum(v for r, v in many.ahead_rank_hits.items() if r > 0) > 0
+    assert sum(many.ahead_rank_hits.values()) == many.ahead_hits

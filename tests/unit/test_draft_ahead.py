@@ -1,10 +1,10 @@
 """Draft-ahead on the drafter (DESIGN 4.8, engine/lookahead.py).
 
-Two properties: a look-ahead entry is what a from-scratch reference drafts for its
-hypothesis (the verified drafts all accepted, the drafter's chain states standing in for
-the target hidden states), and look-aheads never disturb exactness: after any mix of
-them, every exact round still equals the from-scratch reference over the committed
-prefix (DESIGN 3.2)."""
+Properties: each hypothesis (a accepted, bonus or correction b) is built from the
+drafter's own distributions and chain states as lookahead.py says; its entry is what a
+from-scratch reference, and the drafter itself after an exact update with that outcome,
+drafts (all K drafts); and look-aheads never disturb exactness: the real MTP cache is
+untouched, and every exact round still equals the from-scratch reference (DESIGN 3.2)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ from tests.unit.tiny_models import tiny_draft_model
 VOCAB = 61
 
 
-def _engine(k: int, modules: int, chain: bool, graph_batch: int = 4) -> DrafterEngine:
+def _engine(k: int, modules: int, chain: bool, graph_batch: int = 4, **ahead
+            ) -> DrafterEngine:
     model = tiny_draft_model(modules, seed=modules)
     return DrafterEngine(model, DrafterConfig(num_steps=k, chain=chain, max_seqs=4,
-                                              max_len=256, max_graph_batch=graph_batch))
+                                              max_len=256, max_graph_batch=graph_batch,
+                                              **ahead))
 
 
 def _ahead(upd: SeqUpdate, verifying: tuple[int, ...] = ()) -> SeqUpdate:
@@ -40,71 +42,157 @@ def test_exact_rounds_equal_reference_after_look_aheads(k: int, modules: int,
     rng = random.Random(k * 7 + modules)
     torch.manual_seed(k)
     engine = _engine(k, modules, chain, graph_batch=2)  # 3 sequences: eager and buffers
+    free = engine.allocator.num_free
     seqs = {i: Committed(rng, rng.randint(1, 12)) for i in range(3)}
     updates = [_ahead(prefill(i, s)) for i, s in seqs.items()]
     entries = 0
     for _ in range(10):
         check_round(engine.model, engine.update(updates), seqs, k, chain)
+        used = engine.allocator.num_free
         entries += len(engine.look_ahead())
+        assert engine.allocator.num_free == used, "scratch blocks go back"
         updates = []
         for seq_id, seq in seqs.items():
             upd = seq.extend(rng, rng.randint(1, k + 1))
             verifying = tuple(rng.randrange(VOCAB) for _ in range(rng.randint(0, k)))
             updates.append(_ahead(SeqUpdate(seq_id, upd.start, upd.tokens, upd.hidden),
                                   verifying))
-    assert entries == 30 and engine.ahead_rounds == 10
+    assert entries > 30 and engine.ahead_rounds == 10
+    engine.release(list(seqs))
+    assert engine.allocator.num_free == free
+
+
+def _round_then_plan(k: int, chain: bool, verifying: tuple[int, ...], **ahead):
+    rng = random.Random(11)
+    engine = _engine(k, 2, chain, **ahead)
+    seq = Committed(rng, 9)
+    engine.update([prefill(0, seq)])
+    upd = seq.extend(rng, 2)
+    update = _ahead(SeqUpdate(0, upd.start, upd.tokens, upd.hidden), verifying)
+    (exact,) = engine.update([update])
+    return engine, seq, update, exact, engine.plan_ahead()
 
 
 @pytest.mark.parametrize("chain", [True, False])
-@pytest.mark.parametrize("verify_own", [True, False])
-def test_entry_equals_reference_for_its_hypothesis(chain: bool, verify_own: bool) -> None:
-    k = 3
-    rng = random.Random(11)
-    engine = _engine(k, 2, chain)
-    seq = Committed(rng, 9)
-    out = engine.update([prefill(0, seq)])
-    upd = seq.extend(rng, 2)
-    verifying = () if verify_own else (5, 17)
-    (exact,) = engine.update([_ahead(SeqUpdate(0, upd.start, upd.tokens, upd.hidden),
-                                     verifying)])
-    (entry,) = engine.look_ahead()
-    drafts, _, states = reference_round(engine.model, seq.tokens, seq.hidden, k, chain)
-    assert isinstance(out[0], DraftResult) and exact.tokens.tolist() == drafts
-    verify = list(verifying) if verifying else drafts
+@pytest.mark.parametrize("verifying", [(), (5, 17)])
+def test_hypotheses_come_from_the_drafters_own_distributions(chain, verifying) -> None:
+    k, fanout = 3, 2
+    engine, seq, _, exact, hyps = _round_then_plan(k, chain, verifying, ahead_fanout=fanout,
+                                                   ahead_rows=10_000)
+    drafts, logits, states = reference_round(engine.model, seq.tokens, seq.hidden, k, chain)
+    assert exact.tokens.tolist() == drafts
+    verify = list(verifying) or drafts
     m = len(verify)
+    _, bonus_logits, bonus_states = reference_round(
+        engine.model, seq.tokens + verify, torch.cat([seq.hidden, states[:m]]), k, chain)
+    assert len(hyps) == (m + 1) * fanout  # the budget takes every candidate
+    for h in hyps:
+        a = h.accepted
+        assert list(h.outcome[:a]) == verify[:a]
+        if a < m:  # a correction: one of the best alternatives to the rejected draft
+            alt = logits[a].clone()
+            alt[verify[a]] = -float("inf")
+            assert h.outcome[-1] != verify[a]
+            assert h.outcome[-1] in alt.topk(fanout).indices.tolist()
+            torch.testing.assert_close(h.hidden, states[:a + 1], atol=1e-4, rtol=1e-3)
+        else:  # the bonus guess after all m, from the bonus pass
+            assert h.outcome[-1] in bonus_logits[0].topk(fanout).indices.tolist()
+            torch.testing.assert_close(h.hidden, torch.cat([states[:m], bonus_states[:1]]),
+                                       atol=1e-4, rtol=1e-3)
+    probs = [h.prob for h in hyps]
+    assert probs == sorted(probs, reverse=True) and [h.rank for h in hyps] == list(range(
+        len(hyps)))
+    assert len({h.outcome for h in hyps}) == len(hyps)
+
+
+@pytest.mark.parametrize("chain", [True, False])
+@pytest.mark.parametrize("verifying", [(), (5, 17)])
+def test_entry_equals_an_exact_update_with_its_outcome(chain, verifying) -> None:
+    k = 3
+    engine, seq, update, _, hyps = _round_then_plan(k, chain, verifying, ahead_rows=10_000)
+    entries = engine.draft_hypotheses(hyps)
+    assert [e.outcome for e in entries] == [h.outcome for h in hyps]
     base = len(seq.tokens) - 1
-    # the hypothesis: x[N'+1..N'+m] = verify, h[N'+i] stood in for by g[i+1] at row N'-1
-    ahead, _, _ = reference_round(engine.model, seq.tokens + verify,
-                                  torch.cat([seq.hidden, states[:m]]), k, chain)
-    assert entry.base == base and entry.outcome == (*verify, ahead[0])
-    assert entry.drafts.position == base + m + 1
-    assert entry.drafts.tokens.tolist() == ahead[1:]
+    for h, entry in zip(hyps, entries, strict=True):
+        assert entry.base == base and entry.drafts.position == base + len(h.outcome)
+        assert entry.drafts.tokens.shape == (k,), "a hit loses no draft"
+        ref, _, _ = reference_round(engine.model, seq.tokens + list(h.outcome),
+                                    torch.cat([seq.hidden, h.hidden]), k, chain)
+        assert entry.drafts.tokens.tolist() == ref, h.outcome
+        # the drafter itself, told that outcome (its hidden rows the stand-ins)
+        twin = _engine(k, 2, chain)
+        twin.update([prefill(0, _prefix(seq, base))])
+        twin.update([SeqUpdate(0, update.start, update.tokens, update.hidden)])
+        (told,) = twin.update([SeqUpdate(0, base, h.outcome, h.hidden)])
+        assert told.tokens.tolist() == entry.drafts.tokens.tolist()
+
+
+def _prefix(seq: Committed, base: int) -> Committed:
+    """The sequence as its prefill saw it (before the last update's 2 rows)."""
+    out = Committed.__new__(Committed)
+    out.tokens, out.hidden = seq.tokens[:base - 1], seq.hidden[:base - 2]
+    return out
+
+
+def test_look_ahead_leaves_the_real_cache_and_later_drafts_untouched() -> None:
+    k, rng = 3, random.Random(4)
+    on, off = _engine(k, 2, True, graph_batch=2), _engine(k, 2, True, graph_batch=2)
+    seqs = {i: Committed(rng, 4 + i) for i in range(3)}
+    ups = [prefill(i, s) for i, s in seqs.items()]
+    for _ in range(6):
+        got, want = on.update([_ahead(u) for u in ups]), off.update(ups)
+        assert [o.tokens.tolist() for o in got] == [o.tokens.tolist() for o in want]
+        held = {i: list(st.blocks.blocks) for i, st in on.seqs.items()}
+        before = [t[b].clone() for t in on.cache.keys + on.cache.values
+                  for bs in held.values() for b in bs]
+        assert on.look_ahead(), "every round has hypotheses"
+        after = [t[b] for t in on.cache.keys + on.cache.values
+                 for bs in held.values() for b in bs]
+        assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+        assert {i: list(st.blocks.blocks) for i, st in on.seqs.items()} == held
+        ups = []
+        for i, seq in seqs.items():  # random verdicts: the look-aheads miss
+            u = seq.extend(rng, rng.randint(1, k + 1))
+            ups.append(SeqUpdate(i, u.start, u.tokens, u.hidden))
+
+
+def test_budget_bounds_rows_and_keeps_the_likeliest() -> None:
+    k = 3
+    _, _, _, _, every = _round_then_plan(k, True, (), ahead_fanout=3, ahead_rows=10_000)
+    hist = k - 1  # history rows of each window (the prefix is long enough)
+    budget = 3 * (hist + 2)
+    _, _, _, _, few = _round_then_plan(k, True, (), ahead_fanout=3, ahead_rows=budget)
+    assert sum(hist + len(h.outcome) for h in few) <= budget < \
+        sum(hist + len(h.outcome) for h in every)
+    assert {h.outcome for h in few} < {h.outcome for h in every}
+    assert few[0].outcome == every[0].outcome, "the likeliest verdict always fits"
+    assert [h.rank for h in few] == list(range(len(few)))
+    assert [h.prob for h in few] == sorted((h.prob for h in few), reverse=True)
 
 
 def test_sampled_entry_carries_the_q_its_drafts_were_drawn_from() -> None:
     k, temp = 3, 0.8
     rng = random.Random(2)
-    engine = _engine(k, 2, True)
+    engine = _engine(k, 2, True, ahead_rows=10_000)
     top_k = engine.config.top_k  # the support size the drafter reports
     seq = Committed(rng, 9)
     sampling = DraftSampling(temp, top_k, seed=7)
     engine.update([SeqUpdate(0, 0, tuple(seq.tokens[1:]), seq.hidden, True, sampling)])
     upd = seq.extend(rng, 2)
-    (exact,) = engine.update([SeqUpdate(0, upd.start, upd.tokens, upd.hidden, True,
-                                        sampling, look_ahead=True)])
-    (entry,) = engine.look_ahead()
-    _, _, states = reference_round(engine.model, seq.tokens, seq.hidden, k, True,
-                                   forced=exact.tokens.tolist())
-    verify = exact.tokens.tolist()
-    chain = [entry.outcome[-1], *entry.drafts.tokens.tolist()]  # what the steps drew
-    _, logits, _ = reference_round(engine.model, seq.tokens + verify,
-                                   torch.cat([seq.hidden, states]), k, True, forced=chain)
-    for i in range(k - 1):  # draft i of the entry is step i + 2's sample
-        top, support = (logits[i + 1] / temp).topk(top_k)
-        assert entry.drafts.support[i].tolist() == support.tolist()
-        torch.testing.assert_close(entry.drafts.probs[i], top.softmax(-1), atol=1e-5,
-                                   rtol=1e-4)
-        assert entry.drafts.tokens[i] in support
+    engine.update([SeqUpdate(0, upd.start, upd.tokens, upd.hidden, True, sampling,
+                             look_ahead=True)])
+    hyps = engine.plan_ahead()
+    entries = engine.draft_hypotheses(hyps)
+    for h, entry in zip(hyps, entries, strict=True):
+        _, logits, _ = reference_round(engine.model, seq.tokens + list(h.outcome),
+                                       torch.cat([seq.hidden, h.hidden]), k, True,
+                                       forced=entry.drafts.tokens.tolist())
+        for i in range(k):  # draft i of the entry is step i + 1's sample
+            top, support = (logits[i] / temp).topk(top_k)
+            assert entry.drafts.support[i].tolist() == support.tolist()
+            torch.testing.assert_close(entry.drafts.probs[i], top.softmax(-1), atol=1e-5,
+                                       rtol=1e-4)
+            assert entry.drafts.tokens[i] in support
 
 
 def test_no_look_ahead_unless_asked_or_for_k1() -> None:
@@ -124,9 +212,11 @@ def test_released_sequence_gets_no_entry_and_bad_verifying_fails_alone() -> None
     a, b = Committed(rng, 5), Committed(rng, 6)
     engine.update([_ahead(prefill(0, a)), _ahead(prefill(1, b))])
     engine.release([0])
-    assert [e.seq_id for e in engine.look_ahead()] == [1]
+    assert {e.seq_id for e in engine.look_ahead()} == {1}
     upd = b.extend(rng, 1)
     bad = SeqUpdate(1, upd.start, upd.tokens, upd.hidden, look_ahead=True,
                     verifying=(1, 2, 3))  # K = 2
     (failure,) = engine.update([bad])
     assert failure.code == "INVALID_ARGUMENT" and "verifying" in failure.message
+    assert isinstance(engine.update([_ahead(SeqUpdate(1, upd.start, upd.tokens,
+                                                       upd.hidden))])[0], DraftResult)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-from chainspec.engine.draft_types import DraftAhead, SeqOutcome, SeqUpdate
+from chainspec.engine.draft_types import DraftAhead, SeqOutcome, SeqUpdate, by_sequence
 from chainspec.engine.drafter import DrafterEngine
 
 
@@ -22,8 +22,9 @@ class DraftClient(Protocol):
     def release(self, seq_ids: Sequence[int]) -> None:
         """Forget sequences (finished, aborted, or moved elsewhere)."""
 
-    def ahead(self) -> dict[int, DraftAhead]:
-        """Look-ahead entries that arrived since the last call (never waits)."""
+    def ahead(self) -> dict[int, tuple[DraftAhead, ...]]:
+        """Look-ahead entries that arrived since the last call (never waits), per
+        sequence in rank order (the most likely verdict first)."""
 
 
 class LocalDraftClient:
@@ -32,15 +33,14 @@ class LocalDraftClient:
     def __init__(self, engine: DrafterEngine) -> None:
         self.engine = engine
         self._ready: dict[int, SeqOutcome] = {}
-        self._ahead: dict[int, DraftAhead] = {}
+        self._ahead: dict[int, tuple[DraftAhead, ...]] = {}
 
     def submit(self, updates: Sequence[SeqUpdate]) -> None:
         for upd, outcome in zip(updates, self.engine.update(updates), strict=True):
             self._ready[upd.seq_id] = outcome
-        for entry in self.engine.look_ahead():
-            self._ahead[entry.seq_id] = entry
+        self._ahead.update(by_sequence(self.engine.look_ahead()))
 
-    def ahead(self) -> dict[int, DraftAhead]:
+    def ahead(self) -> dict[int, tuple[DraftAhead, ...]]:
         entries, self._ahead = self._ahead, {}
         return entries
 

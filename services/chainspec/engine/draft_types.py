@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -144,21 +145,30 @@ SeqOutcome = DraftResult | SeqFailure
 @dataclass(frozen=True)
 class DraftAhead:
     """Look-ahead drafts (DESIGN 4.8): should the round that verifies at bonus index
-    `base` commit exactly `outcome` (the drafts all accepted, then the guessed bonus),
-    `drafts` (at position base + len(outcome)) are the next round's proposals. Drafted
-    from the drafter's own chain states in place of target hidden states, so they are a
-    guess; the verifier uses them only on an exact match and verifies them as usual."""
+    `base` commit exactly `outcome` (a accepted drafts, then the bonus or correction
+    token), `drafts` (K, at position base + len(outcome)) are the next round's
+    proposals. Drafted from the drafter's own chain states in place of target hidden
+    states, so they are a guess; the verifier uses them only on an exact match and
+    verifies them as usual. A sequence gets several, one per hypothesis, best first."""
 
     seq_id: int
     base: int
-    outcome: tuple[int, ...]  # [m + 1]
+    outcome: tuple[int, ...]  # [a + 1], 0 <= a <= m
     drafts: DraftResult
 
     def __post_init__(self) -> None:
-        if len(self.outcome) < 2 or self.drafts.position != self.base + len(self.outcome):
+        if len(self.outcome) < 1 or self.drafts.position != self.base + len(self.outcome):
             raise ValueError(f"look-ahead of seq {self.seq_id}: outcome of "
                              f"{len(self.outcome)} tokens from base {self.base} does not "
                              f"lead to drafts at {self.drafts.position}")
+
+
+def by_sequence(entries: Sequence[DraftAhead]) -> dict[int, tuple[DraftAhead, ...]]:
+    """One look-ahead answer's entries per sequence, their order (rank) kept."""
+    out: dict[int, list[DraftAhead]] = {}
+    for e in entries:
+        out.setdefault(e.seq_id, []).append(e)
+    return {seq_id: tuple(es) for seq_id, es in out.items()}
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,7 +26,17 @@ from chainspec.engine.draft_types import (
 )
 from chainspec.engine.graph_runner import GraphRunner, StaticDraftBuffers, default_buckets
 from chainspec.engine.kv_budget import KVBudget, model_cache
-from chainspec.engine.lookahead import AheadSource, ahead_entry, ahead_window
+from chainspec.engine.lookahead import (
+    AcceptRates,
+    AheadSource,
+    Hypothesis,
+    ahead_entry,
+    bonus_rows,
+    history_window,
+    hypotheses,
+    hypothesis_window,
+    select,
+)
 from chainspec.engine.observer import DrafterObserver, DraftRoundRecord
 from chainspec.engine.step_clock import StepClock
 from chainspec.models.mtp import MTPDraftModel
@@ -45,6 +55,10 @@ class DrafterConfig:
     top_k: int = spine_default(StackSection, "draft_top_k")  # support of sampled drafts
     use_graphs: bool = not spine_default(StackSection, "enforce_eager")  # on a GPU
     max_graph_batch: int = 64
+    # draft-ahead (lookahead.py): bonus/correction guesses per accept length, and rows
+    # of hypothesis windows per look-ahead round (bounds its time beside a verify step)
+    ahead_fanout: int = 2
+    ahead_rows: int = 48
     kv: KVBudget = field(default_factory=KVBudget)  # paged KV cache size
 
     def __post_init__(self) -> None:
@@ -63,6 +77,7 @@ class _SeqState:
         self.next_start = 0  # the `start` the next update must carry
         self.hist_hidden: torch.Tensor | None = None  # [m, H]: h of the last m rows
         self.hist_tokens: torch.Tensor | None = None  # [m]: x[p+1] of those rows
+        self.verifying = 0  # drafts the verifier checks now (a look-ahead asked for)
 
 
 class DrafterEngine:
@@ -87,6 +102,7 @@ class DrafterEngine:
         self.seqs: dict[int, _SeqState] = {}
         self._ahead: list[AheadSource] = []  # asked for by the last update, not yet run
         self.ahead_rounds = 0
+        self.accept_rates = AcceptRates(c.num_steps)  # ranks look-ahead hypotheses
         self._observed_prefix = (0, 0)  # prefix-cache counters the observer has seen
         graph_batch = min(c.max_graph_batch, c.max_seqs)
         buffers = StaticDraftBuffers(graph_batch, c.num_steps, self.hidden_size, c.max_len,
@@ -153,31 +169,96 @@ class DrafterEngine:
     def look_ahead(self, todo: list[AheadSource] | None = None) -> list[DraftAhead]:
         """Draft-ahead entries (lookahead.py) for `todo`, by default those the last
         `update` asked for; call after answering that update. Sources whose sequence
-        moved on or left since are skipped. Changes no sequence state."""
+        moved on or left since are skipped. Changes no sequence state: every window runs
+        on scratch blocks (copy-on-write), freed before returning."""
+        return self.draft_hypotheses(self.plan_ahead(todo))
+
+    @torch.inference_mode()
+    def plan_ahead(self, todo: list[AheadSource] | None = None) -> list[Hypothesis]:
+        """The bonus pass, then the hypotheses that fit the row budget, best first."""
         todo = self.pending_ahead() if todo is None else todo
-        K = self.config.num_steps
-        # NOTE: a look-ahead writes positions up to base + m - 1; a sequence whose blocks
-        # cannot cover them gets none (it is a guess), and keeps what it had.
+        K, c = self.config.num_steps, self.config
         todo = [src for src in todo if src.seq_id in self.seqs and
                 self.seqs[src.seq_id].next_start == src.base and
-                src.base + src.verify.shape[0] + K <= self.config.max_len and
-                self.seqs[src.seq_id].blocks.ensure(self.allocator,
-                                                    src.base + src.verify.shape[0])]
-        if not todo:
+                src.base + src.verify.shape[0] + 1 + K <= c.max_len]
+        if not todo or self.cache.has_states:  # NOTE: scratch copies paged KV only
             return []
-        states = [self.seqs[src.seq_id] for src in todo]
-        windows = [ahead_window(src, tuple(st.blocks.blocks), st.hist_hidden, st.hist_tokens)
-                   for src, st in zip(todo, states, strict=True)]
-        self._clock = None  # NOTE: the observer times exact rounds only
-        out, _ = self._run(windows)
+        windows = []
+        for src in todo:
+            st = self.seqs[src.seq_id]
+            hidden, tokens = bonus_rows(src)
+            windows.append(history_window((), src.base, hidden, tokens, st.hist_hidden,
+                                          st.hist_tokens, src))
+        out = self._run_scratch(windows, [src.seq_id for src in todo])
+        if out is None:
+            return []
+        chains = torch.stack([src.chain for src in todo])  # [S, K, H]: g[k] at row N'-1
+        step_logits = torch.stack([self.model.logits(k + 1, chains[:, k])
+                                   for k in range(K)], 1)  # [S, K, V]
+        bonus = self.model.logits(1, out.chain[:, 0])  # [S, V]: x[N'+m+1]
+        candidates = []
+        for row, src in enumerate(todo):
+            candidates += hypotheses(src, step_logits[row], bonus[row], out.chain[row, 0],
+                                     c.ahead_fanout,
+                                     self.accept_rates.lengths(src.verify.shape[0]))
+        hist = {src.seq_id: windows[i].num_rows - src.verify.shape[0]
+                for i, src in enumerate(todo)}
+        return select(candidates, c.ahead_rows, hist)
+
+    @torch.inference_mode()
+    def draft_hypotheses(self, hyps: list[Hypothesis]) -> list[DraftAhead]:
+        """One draft round over the hypotheses' windows: their entries, in hyps' order."""
+        hyps = [h for h in hyps if h.src.seq_id in self.seqs and
+                self.seqs[h.src.seq_id].next_start == h.src.base]
+        if not hyps:
+            return []
+        windows = [hypothesis_window(h, (), self.seqs[h.src.seq_id].hist_hidden,
+                                     self.seqs[h.src.seq_id].hist_tokens) for h in hyps]
+        out = self._run_scratch(windows, [h.src.seq_id for h in hyps])
+        if out is None:
+            return []
         self.ahead_rounds += 1
-        return [ahead_entry(src, out, row, src.temperature > 0)
-                for row, src in enumerate(todo)]
+        return [ahead_entry(h, out, row, h.src.temperature > 0)
+                for row, h in enumerate(hyps)]
+
+    def _run_scratch(self, windows: list[Window], seq_ids: list[int]) -> DraftOutput | None:
+        """Run `windows` (their blocks unset) of `seq_ids` on scratch blocks; None when
+        the pool cannot hold them (a look-ahead is only a guess)."""
+        held: list[int] = []
+        ready = []
+        for w, seq_id in zip(windows, seq_ids, strict=True):
+            blocks = self._scratch(seq_id, w)
+            if blocks is None:
+                self.allocator.free(held)
+                return None
+            held += blocks[w.first_pos // self.allocator.block_size:]
+            ready.append(replace(w, blocks=tuple(blocks)))
+        self._clock = None  # NOTE: the observer times exact rounds only
+        try:
+            out, _ = self._run(ready)
+        finally:
+            self.allocator.free(held)
+        return out
+
+    def _scratch(self, seq_id: int, w: Window) -> list[int] | None:
+        """A copy-on-write table for `w`: the sequence's blocks below the one holding
+        w's first row, then a copy of that block and fresh ones up to w's last row."""
+        real, bs = self.seqs[seq_id].blocks.blocks, self.allocator.block_size
+        lo = w.first_pos // bs
+        got = self.allocator.allocate(self.allocator.blocks_for(w.first_pos + w.num_rows)
+                                      - lo)
+        if got is None:
+            return None
+        if lo < len(real) and w.first_pos > lo * bs:  # rows below first_pos are read
+            for t in self.cache.keys + self.cache.values:  # [blocks, bs, Hkv, D]
+                t[got[0]] = t[real[lo]]
+        return real[:lo] + got
 
     def _ahead_source(self, upd: SeqUpdate, window: Window, out: DraftOutput,
                       row: int) -> AheadSource:
         verify = torch.tensor(upd.verifying, dtype=torch.int64) if upd.verifying \
             else out.tokens[row].cpu()
+        self.seqs[upd.seq_id].verifying = verify.shape[0]
         return AheadSource(upd.seq_id, upd.end, verify, out.chain[row],
                            window.temperature, window.seed)
 
@@ -308,6 +389,9 @@ class DrafterEngine:
         """Keep the last K-1 committed rows as the next window's history."""
         state = self.seqs[upd.seq_id]
         keep = self.config.num_steps - 1
+        if state.verifying and upd.start == state.next_start > 0:  # a verdict on them
+            self.accept_rates.record(state.verifying, len(upd.tokens) - 1)
+        state.verifying = 0
         state.next_start = upd.start + len(upd.tokens)
         self._cache_final(upd, state)
         if keep == 0:

@@ -1,23 +1,42 @@
-"""Draft-ahead (DESIGN 4.8): proposals for the likely outcome of a round still being
+"""Draft-ahead (DESIGN 4.8): proposals for the likely verdicts of a round still being
 verified, so that a verifier with a hit starts its next round without waiting.
 
-After a round drafted for bonus index N', the verifier will verify m drafts v_1..v_m
-(the drafter's own, or look-ahead drafts it already holds). The likely verdict is "all
-accepted", then a bonus the drafter can guess. The look-ahead window is the sequence's
-history rows (exact), then m rows standing for positions N'..N'+m-1 with tokens
-v_1..v_m and, in place of the target hidden states h[N'+i] the drafter does not have
-yet, its own chain states g[i+1] at row N'-1 (g[k] at row p is trained to predict
-x[p+k+1], as h[p+k] does). One ordinary draft round over that window gives, at its last
-row, step 1 -> the bonus guess b (for x[N'+m+1]) and steps 2..K -> K-1 drafts after it.
-The entry is keyed by (N', v_1..v_m, b); the verifier uses it only on an exact match.
+After a round drafted for bonus index N', the verifier verifies m drafts v_1..v_m (the
+drafter's own, or look-ahead drafts it already holds). Its verdict is an accept length
+a (0..m) and a bonus b; it commits x[N'+1..N'+a+1] = v_1..v_a, b. A *hypothesis* is one
+such outcome (a, b):
+- a < m: b is a correction, b != v_{a+1}: one of the drafter's best alternatives at
+  step a+1 of row N'-1 (its distribution for x[N'+a+1]);
+- a = m: b is a bonus guess, from a first look-ahead pass (the *bonus pass*): the old
+  single window, history rows then rows N'..N'+m-1, whose step 1 at its last row is the
+  drafter's distribution for x[N'+m+1].
+Its estimated probability is P(a) * P(b | a): P(a) from per-position acceptance rates
+the drafter measures from the verdicts its updates report (`AcceptRates`; its own q of
+v_i is not calibrated: a small drafter's distribution is flat where the target agrees),
+P(b | a) from the drafter's distribution for that token (renormalized without v_{a+1}
+for a correction). Hypotheses are ranked by it; `select` spends the round's row budget
+(it bounds the look-ahead's time beside the verify step) where it raises most the
+chance that every sequence of the step hits.
 
-Exactness: a look-ahead writes the MTP caches only at positions >= N'-(K-1), which the
-next exact update's window (its history rows start there) rewrites before any row reads
-them; the sequence's history rows and expected start are left as they were.
+A hypothesis drafts exactly as the update with its outcome would: its window is the
+sequence's history rows (exact), then rows N'..N'+a with tokens v_1..v_a, b and, in place
+of the target hidden states h[N'+i] the drafter does not have yet, its own chain states
+g[i+1] at row N'-1 (g[k] at row p is trained to predict x[p+k+1], as h[p+k] does), and
+for row N'+m (a = m) the bonus pass's g[1] at row N'+m-1. One ordinary draft round over
+that window gives the full K drafts after b. The entry is keyed by (N', v_1..v_a, b).
+
+Exactness: each look-ahead window runs on copy-on-write scratch blocks: the sequence's
+blocks below the window's first row, then a copy of the block that row falls in and fresh
+blocks after it, all freed after the round. A window reads positions < its first row
+(history start N'-(K-1), all final, DESIGN 3.2) from the shared blocks and writes only
+scratch ones, so the sequence's real MTP cache, history rows and expected start are
+exactly as without look-ahead, and hypotheses of one sequence never see each other.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,27 +58,145 @@ class AheadSource:
     seed: int
 
 
-def ahead_window(src: AheadSource, blocks: tuple[int, ...], hist_hidden: torch.Tensor | None,
-                 hist_tokens: torch.Tensor | None) -> Window:
-    """History rows, then the m hypothetical rows N'..N'+m-1."""
-    m = src.verify.shape[0]
-    hidden, tokens = src.chain[:m], src.verify  # [m, H], [m]
+class AcceptRates:
+    """P(draft i accepted | drafts before it accepted), per position, from verdicts: an
+    exponentially decayed count, starting from `prior`."""
+
+    def __init__(self, num_steps: int, prior: float = 0.7, weight: float = 8.0,
+                 decay: float = 0.995) -> None:
+        self.accepted = [prior * weight] * num_steps
+        self.tried = [weight] * num_steps
+        self.decay = decay
+
+    def record(self, verified: int, accepted: int) -> None:
+        """A verdict: `accepted` of `verified` drafts."""
+        for i in range(min(accepted + 1, verified)):
+            self.tried[i] = self.tried[i] * self.decay + 1
+            self.accepted[i] = self.accepted[i] * self.decay + (i < accepted)
+
+    def lengths(self, m: int) -> list[float]:
+        """P(accept length = a) for a = 0..m."""
+        out, prefix = [], 1.0
+        for i in range(m):
+            rate = self.accepted[i] / self.tried[i]
+            out.append(prefix * (1 - rate))
+            prefix *= rate
+        return [*out, prefix]
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One verdict (a, b) of the round at `src.base` and the rows its update would bring."""
+
+    src: AheadSource
+    outcome: tuple[int, ...]  # [a + 1]: v_1..v_a, b
+    hidden: torch.Tensor  # [a + 1, H]: stand-ins for h[N'..N'+a]
+    prob: float  # estimated probability of this verdict
+    rank: int = 0  # its place among the sequence's hypotheses, best first
+
+    @property
+    def accepted(self) -> int:
+        return len(self.outcome) - 1
+
+
+def history_window(blocks: tuple[int, ...], first: int, hidden: torch.Tensor,
+                   tokens: torch.Tensor, hist_hidden: torch.Tensor | None,
+                   hist_tokens: torch.Tensor | None, src: AheadSource) -> Window:
+    """The sequence's history rows, then rows from `first` (= N') on."""
     if hist_hidden is not None:
         hidden = torch.cat([hist_hidden, hidden.to(hist_hidden.dtype)])
         tokens = torch.cat([hist_tokens, tokens])
-    first = src.base - (0 if hist_hidden is None else hist_hidden.shape[0])
+        first -= hist_hidden.shape[0]
     return Window(blocks, first, hidden, tokens, src.temperature, src.seed)
 
 
-def ahead_entry(src: AheadSource, out: DraftOutput, row: int, sampled: bool) -> DraftAhead:
-    """Row `row` of a look-ahead round as an entry: step 1 is the bonus guess, steps
-    2..K the drafts that follow it."""
-    tokens = out.tokens[row].cpu()  # [K]
-    outcome = (*src.verify.tolist(), int(tokens[0]))
-    position = src.base + len(outcome)
+def bonus_rows(src: AheadSource) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bonus pass's rows N'..N'+m-1: hidden [m, H] and tokens [m]."""
+    m = src.verify.shape[0]
+    return src.chain[:m], src.verify
+
+
+def hypotheses(src: AheadSource, step_logits: torch.Tensor, bonus_logits: torch.Tensor,
+               bonus_state: torch.Tensor, fanout: int, lengths: list[float]
+               ) -> list[Hypothesis]:
+    """Every (a, b) with b among the top `fanout` of its distribution, unranked.
+    step_logits [K, V]: the drafter's steps at row N'-1; bonus_logits [V] and bonus_state
+    [H]: step 1 at the bonus pass's last row (x[N'+m+1]) and its g[1]; lengths [m + 1]:
+    P(accept length = a)."""
+    m = src.verify.shape[0]
+    q = step_logits[:m].float().softmax(-1)  # [m, V]
+    verify = src.verify.tolist()
+    out = []
+    for a in range(m):
+        alt = q[a].clone()
+        alt[verify[a]] = 0.0  # a correction differs from the rejected draft
+        alt /= alt.sum().clamp_min(1e-12)
+        top = alt.topk(fanout)
+        for p, b in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            out.append(Hypothesis(src, (*verify[:a], b), src.chain[:a + 1], lengths[a] * p))
+    top = bonus_logits.float().softmax(-1).topk(fanout)
+    hidden = torch.cat([src.chain[:m], bonus_state.view(1, -1).to(src.chain)])
+    for p, b in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+        out.append(Hypothesis(src, (*verify, b), hidden, lengths[m] * p))
+    return out
+
+
+def select(candidates: list[Hypothesis], budget: int, hist_rows: dict[int, int]
+           ) -> list[Hypothesis]:
+    """The hypotheses to draft, each ranked within its sequence (likeliest first).
+
+    A step waits for no drafts only if every sequence in it hits, so the aim is the
+    probability that all hit, prod_s C_s (C_s: the covered probability of sequence s).
+    Every sequence gets its likeliest hypothesis (the cost of a one-hypothesis
+    look-ahead); more follow by the gain in log C_s per row while `budget` rows (all
+    windows, history rows included) last. `hist_rows`: history rows per sequence."""
+    per_seq: dict[int, list[Hypothesis]] = {}
+    for h in sorted(candidates, key=lambda h: -h.prob):
+        per_seq.setdefault(h.src.seq_id, []).append(h)
+    chosen = {s: [hs[0]] for s, hs in per_seq.items()}
+    covered = {s: hs[0].prob for s, hs in per_seq.items()}
+
+    def rows(h: Hypothesis) -> int:
+        return hist_rows[h.src.seq_id] + len(h.outcome)
+    spent = sum(rows(hs[0]) for hs in chosen.values())
+    heap = [(-_gain(covered[s], hs[1], rows(hs[1])), s, 1) for s, hs in per_seq.items()
+            if len(hs) > 1]
+    heapq.heapify(heap)
+    while heap:
+        _, s, i = heapq.heappop(heap)
+        h = per_seq[s][i]
+        if spent + rows(h) <= budget:
+            spent += rows(h)
+            chosen[s].append(h)
+            covered[s] += h.prob
+        if i + 1 < len(per_seq[s]):
+            nxt = per_seq[s][i + 1]
+            heapq.heappush(heap, (-_gain(covered[s], nxt, rows(nxt)), s, i + 1))
+    return [Hypothesis(h.src, h.outcome, h.hidden, h.prob, rank)
+            for hs in chosen.values() for rank, h in enumerate(hs)]
+
+
+def _gain(covered: float, h: Hypothesis, rows: int) -> float:
+    return math.log1p(h.prob / max(covered, 1e-12)) / rows
+
+
+def hypothesis_window(h: Hypothesis, blocks: tuple[int, ...],
+                      hist_hidden: torch.Tensor | None,
+                      hist_tokens: torch.Tensor | None) -> Window:
+    tokens = torch.tensor(h.outcome, dtype=torch.int64)
+    return history_window(blocks, h.src.base, h.hidden, tokens, hist_hidden, hist_tokens,
+                          h.src)
+
+
+def ahead_entry(h: Hypothesis, out: DraftOutput, row: int, sampled: bool) -> DraftAhead:
+    """Row `row` of the hypotheses' round as an entry: the K drafts after its outcome.
+    NOTE: entries travel in rank order per sequence; a receiver's index is the rank."""
+    src = h.src
+    position = src.base + len(h.outcome)
+    tokens = out.tokens[row].cpu().clone()  # [K]
     if sampled:
-        drafts = DraftResult(src.seq_id, position, tokens[1:].clone(),
-                             out.support[row, 1:].cpu(), out.probs[row, 1:].float().cpu())
+        drafts = DraftResult(src.seq_id, position, tokens, out.support[row].cpu(),
+                             out.probs[row].float().cpu())
     else:
-        drafts = DraftResult(src.seq_id, position, tokens[1:].clone())
-    return DraftAhead(src.seq_id, src.base, outcome, drafts)
+        drafts = DraftResult(src.seq_id, position, tokens)
+    return DraftAhead(src.seq_id, src.base, h.outcome, drafts)

@@ -91,7 +91,7 @@ class Request:
         self.num_computed = 0  # positions < num_computed have target KV
         self.drafts: DraftResult | None = None  # proposals for the next verify
         self.drafts_ahead = False  # `drafts` came from a look-ahead hit (DESIGN 4.8)
-        self.ahead: DraftAhead | None = None  # look-ahead for the round being verified
+        self.ahead: tuple[DraftAhead, ...] = ()  # look-aheads for the round being verified
         self.drafter_synced = False  # the drafter holds this sequence's state
         self.resync_at: int | None = None  # engine step to retry a refused sequence at
         self.resync_backoff = 4

@@ -112,6 +112,7 @@ class VerifierEngine(DraftProtocol):
         self.resyncs = 0
         self.steps = 0
         self.ahead_hits = self.ahead_misses = 0  # look-ahead outcomes (cumulative)
+        self.ahead_rank_hits: dict[int, int] = {}  # hits by the matching entry's rank
         self._step_ahead = [0, 0]  # this step's hits, misses (for the observer)
         self._turn = 0  # the group whose step is next
         self.depth = AdaptiveDepth(config.num_steps) if config.adaptive_depth else None

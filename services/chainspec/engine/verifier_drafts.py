@@ -86,16 +86,20 @@ class DraftProtocol:
                          cache_keys=self._draft_keys(req, 0, n))
 
     def _ahead_drafts(self, req: Request, start: int, new: list[int]) -> DraftResult | None:
-        """The next round's drafts if the look-ahead for the round at `start` guessed
-        its outcome `new` exactly (a hit), else None."""
-        ahead, req.ahead = req.ahead, None
-        if ahead is None or ahead.base != start:
+        """The next round's drafts if a look-ahead for the round at `start` guessed its
+        outcome `new` exactly (a hit), else None. Entries are in rank order."""
+        ahead, req.ahead = req.ahead, ()
+        if not ahead or ahead[0].base != start:
             return None
-        hit = ahead.outcome == tuple(new)
+        rank = next((i for i, e in enumerate(ahead) if e.outcome == tuple(new)), None)
+        hit = rank is not None
         self.ahead_hits += hit
         self.ahead_misses += not hit
         self._step_ahead[0 if hit else 1] += 1
-        return ahead.drafts if hit else None
+        if not hit:
+            return None
+        self.ahead_rank_hits[rank] = self.ahead_rank_hits.get(rank, 0) + 1
+        return ahead[rank].drafts
 
     def _take_ahead(self) -> None:
         """Keep each sequence's look-ahead for the round it is about to verify."""
@@ -105,10 +109,10 @@ class DraftProtocol:
         if not entries:
             return
         by_seq = {self.seq_ids[r.request_id]: r for r in self.running}
-        for seq_id, entry in entries.items():
+        for seq_id, es in entries.items():
             req = by_seq.get(seq_id)
-            if req is not None and not req.finished and entry.base == req.num_computed:
-                req.ahead = entry
+            if req is not None and not req.finished and es[0].base == req.num_computed:
+                req.ahead = es
 
     def _draft_update(self, item: Work, verdict: VerifyResult | None, result: StepResult,
                       index: int) -> SeqUpdate | None:

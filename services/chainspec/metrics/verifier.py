@@ -127,7 +127,7 @@ class VerifierMetrics(GrpcServiceMetrics):
         ahead_pos = rec.counter("chainspec_draft_ahead_accepted_tokens_per_pos",
                                 "Look-ahead draft tokens accepted at each draft position "
                                 "(0-based)", "position")
-        self.ahead_per_pos = [ahead_pos.child(str(i)) for i in range(max(1, num_steps - 1))]
+        self.ahead_per_pos = [ahead_pos.child(str(i)) for i in range(num_steps)]
         self.registry.register(rec)
         self.sources = DraftStatsCollector(model)
         self.registry.register(self.sources)

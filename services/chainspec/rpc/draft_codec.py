@@ -358,14 +358,14 @@ def decode_ahead(msg: pb.LookAhead, limits: DraftLimits, name: str) -> DraftAhea
     """One look-ahead entry; raises WireError(INVALID_ARGUMENT) naming the field."""
     K = limits.num_draft_tokens
     outcome = check_tokens(msg.outcome, limits.vocab_size, name=f"{name}.outcome")
-    if not 2 <= len(outcome) <= K + 1:
-        raise invalid(f"{name}.outcome: {len(outcome)} tokens; expected 2..{K + 1}")
+    if not 1 <= len(outcome) <= K + 1:
+        raise invalid(f"{name}.outcome: {len(outcome)} tokens; expected 1..{K + 1}")
     if msg.drafts.seq_id != msg.seq_id or \
             msg.drafts.position != msg.base + len(outcome):
         raise invalid(f"{name}.drafts: seq_id {msg.drafts.seq_id} at position "
                       f"{msg.drafts.position} do not follow seq {msg.seq_id}'s outcome "
                       f"at {msg.base} + {len(outcome)}")
-    drafts = decode_drafts(msg.drafts, limits, f"{name}.drafts", count=K - 1)
+    drafts = decode_drafts(msg.drafts, limits, f"{name}.drafts", count=K)
     return DraftAhead(msg.seq_id, msg.base, tuple(outcome), drafts)
 
 

@@ -40,6 +40,7 @@ from chainspec.engine.draft_types import (
     SeqOutcome,
     SeqUpdate,
     UpdateBatch,
+    by_sequence,
 )
 from chainspec.rpc.channel import DEFAULT_CLIENT_OPTIONS, ClientOptions, make_channel
 from chainspec.rpc.codec import WireDType
@@ -99,7 +100,7 @@ class GrpcDraftClient:
         self._homeless: set[int] = set()  # found no drafter at their last start = 0
         self._lost: set[int] = set()  # lost their drafter; the next one is a reassignment
         self._ready: dict[int, SeqOutcome] = {}
-        self._ahead: dict[int, DraftAhead] = {}  # look-ahead entries (DESIGN 4.8)
+        self._ahead: dict[int, tuple[DraftAhead, ...]] = {}  # look-aheads (DESIGN 4.8)
         self._batch_ids = itertools.count(1)
         self._closed = False
         if endpoints:
@@ -261,7 +262,7 @@ class GrpcDraftClient:
             ready, self._ready = self._ready, {}
             return ready
 
-    def ahead(self) -> dict[int, DraftAhead]:
+    def ahead(self) -> dict[int, tuple[DraftAhead, ...]]:
         with self._cond:
             entries, self._ahead = self._ahead, {}
             return entries
@@ -404,9 +405,9 @@ class GrpcDraftClient:
 
     def _on_ahead(self, link: Link, entries: Sequence[DraftAhead]) -> None:
         self.stats.ahead_entries += len(entries)
-        for e in entries:
-            if self._owner.get(e.seq_id) is link:  # not released or moved since
-                self._ahead[e.seq_id] = e
+        for seq_id, es in by_sequence(entries).items():
+            if self._owner.get(seq_id) is link:  # not released or moved since
+                self._ahead[seq_id] = es
 
     def _on_stream_end(self, link: Link, error: grpc.RpcError | None) -> None:
         link.open = False
