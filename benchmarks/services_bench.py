@@ -9,7 +9,7 @@
 
     RAY_AUTH_MODE=disabled .venv/bin/python benchmarks/services_bench.py \
         [--model DIR] [--batch 1 4 8 16] [--max-tokens 128] [--repeats 3] \
-        [--out benchmarks/results/services_bench]
+        [--pin] [--out benchmarks/results/services_bench]
 
 The stack modes are measured at a gRPC client of the verifier (Generate), so stack local
 vs gRPC is like for like; in-process and plain carry no Generate overhead. Repeats run the
@@ -23,6 +23,12 @@ ways, transfer, thread hops) and wire_share = wire_ms / round_ms; for every remo
 wait_share = draft_wait / round_ms (what the drafter and the wire cost a step, after any
 overlap). codec_ms: encode + decode of a round's request and response, replayed offline
 on updates captured in process. Outputs of every mode are compared with plain (lossless).
+
+`--pin` gives each role cores of its own (`os.sched_setaffinity` on every thread of each
+process, from inside each actor; the placement read back is in the results): this
+process (plain, in-process, and the gRPC client) and every verifier actor on core 0,
+every drafter actor on core 1. So the co-located modes run on one core and the split on
+two, the placement a split deployment has on devices of its own.
 """
 
 from __future__ import annotations
@@ -78,6 +84,29 @@ STACKS = {"stack_local": (DrafterMode.LOCAL, 1, False), "grpc_g1": (DrafterMode.
           "grpc_ahead": (DrafterMode.REMOTE, 1, True)}
 REMOTE = ("grpc_g1", "grpc_g2", "grpc_ahead")
 MODES = ("plain", "inproc", *STACKS)
+
+
+# ------------------------------------------------------------------------ placement
+
+VERIFIER_CORES, DRAFTER_CORES = {0}, {1}
+
+
+def pin_process(cores: set[int]) -> list[int]:
+    """Pin every thread of this process to `cores` (new threads inherit it); returns
+    the affinity read back."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # NOTE: a thread that ended meanwhile
+            pass
+    return sorted(os.sched_getaffinity(0))
+
+
+def pin_actor(actor, cores: set[int]) -> dict:
+    """Run `pin_process` inside `actor`'s process; its pid and placement."""
+    def pin(_self, cores):
+        return {"pid": os.getpid(), "cores": pin_process(cores)}
+    return ray.get(actor.__ray_call__.remote(pin, cores))
 
 
 # ------------------------------------------------------------------------ in process
@@ -165,6 +194,7 @@ def run_grpc(endpoint: str, actors, prompts, max_tokens: int) -> dict:
         results[i] = (tokens, stats)
     call(0)  # warm-up: channel, drafter stream
     before = ray.get([a.stats.remote() for a in actors])
+    ranks_before = rank_hits(actors[0])
     threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
     t0 = time.perf_counter()
     for t in threads:
@@ -193,9 +223,28 @@ def run_grpc(endpoint: str, actors, prompts, max_tokens: int) -> dict:
             "bytes_per_round": (d.get("bytes_sent", 0) + d.get("bytes_received", 0)) / steps,
             "late_batches": d.get("late_batches", 0),
             "ahead_hits": d.get("ahead_hits", 0), "ahead_misses": d.get("ahead_misses", 0),
+            "ahead_rank_hits": {**{r: n - ranks_before.get(r, 0)
+                                   for r, n in rank_hits(actors[0]).items()},
+                                "rounds": rounds,
+                                "all_accepted": sum(s.accepted_tokens for s in stats)},
             "fallback_rounds": sum(s.fallback_rounds for s in stats),
             "acceptance_length": 1 + sum(s.accepted_tokens for s in stats) / max(rounds, 1),
             "outputs": [t for t, _ in results]}
+
+
+def rank_hits(verifier) -> dict[str, int]:
+    """Look-ahead hits so far by the rank of the entry that matched (0: the likeliest),
+    and (keys "drafts", "accepted") the draft tokens of rounds that verified a hit's
+    drafts and how many of them were accepted."""
+    def read(self):
+        out = {str(r): n for r, n in self.server.engine.engine.ahead_rank_hits.items()}
+        m = self.server.metrics
+        if m is not None:
+            with m.recorder.lock:
+                out["drafts"] = int(m.ahead_draft_tokens.value)
+                out["accepted"] = int(sum(c.value for c in m.ahead_per_pos))
+        return out
+    return ray.get(verifier.__ray_call__.remote(read))
 
 
 def start_stack(name: str, model: Path, k: int, max_seqs: int, max_len: int):
@@ -227,12 +276,27 @@ def median_run(runs: list[dict]) -> dict:
     """Per-metric median over repeated runs (outputs from the first)."""
     out = dict(runs[0])
     for key, value in runs[0].items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
+        if isinstance(value, dict):  # counts: summed over the runs
+            out[key] = {k: sum(r[key].get(k, 0) for r in runs)
+                        for k in set().union(*(r[key] for r in runs))}
+        elif isinstance(value, int | float) and not isinstance(value, bool):
             out[key] = statistics.median(r[key] for r in runs)
     return out
 
 
-def summarize(batch: int, runs: dict[str, dict]) -> dict:
+def ahead_acceptance(run: dict, k: int) -> dict:
+    """Acceptance length of the draft-ahead mode's rounds that verified a hit's drafts
+    and of the others (exact drafts). NOTE: a hit round verifies K drafts."""
+    counts = run["ahead_rank_hits"]  # NOTE: summed over the runs
+    hit_rounds = counts.get("drafts", 0) / k
+    rounds, accepted = counts["rounds"], counts["all_accepted"]
+    hit_acc = counts.get("accepted", 0)
+    return {"grpc_ahead_al_hit": 1 + hit_acc / hit_rounds if hit_rounds else None,
+            "grpc_ahead_al_exact": 1 + (accepted - hit_acc) / (rounds - hit_rounds)
+            if rounds > hit_rounds else None}
+
+
+def summarize(batch: int, runs: dict[str, dict], k: int) -> dict:
     plain, inproc = runs["plain"], runs["inproc"]
     row = {"batch": batch, "acceptance_length": inproc["acceptance_length"],
            "codec_ms": inproc["codec_ms"], "drafter_inproc_ms": inproc["drafter_ms"],
@@ -240,6 +304,10 @@ def summarize(batch: int, runs: dict[str, dict]) -> dict:
     for mode in MODES:
         row[f"{mode}_tok_s"] = runs[mode]["tokens_per_s"]
         row[f"lossless_{mode}"] = runs[mode]["outputs"] == plain["outputs"]
+    ahead = runs["grpc_ahead"]
+    row["grpc_ahead_rank_hits"] = {r: n for r, n in ahead["ahead_rank_hits"].items()
+                                   if r.isdigit()}
+    row.update(ahead_acceptance(ahead, k))
     for mode in STACKS:
         r = runs[mode]
         row[f"{mode}_round_ms"] = r["round_ms"]
@@ -278,6 +346,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"ABBA-interleaved runs; load average at the start "
              f"{', '.join(f'{x:.1f}' for x in meta['load_average_start'])}, at the end "
              f"{', '.join(f'{x:.1f}' for x in meta['load_average'])}.", "",
+             placement_line(meta), "",
              "Tokens/s (x plain):", "",
              "| batch | plain | spec in-process | stack local | gRPC g1 | gRPC g2 "
              "| gRPC draft-ahead | acc. len | lossless (all 6) |",
@@ -300,6 +369,16 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      f" | {'-' if hit is None else f'{100 * hit:.0f}%'} "
                      f"| {r['grpc_ahead_draft_wait_ms']:.2f} "
                      f"| {r['grpc_ahead_acceptance_length']:.2f} |")
+    lines += ["", "Draft-ahead hits by rank of the matching hypothesis (0: the likeliest; "
+              "all runs), and acceptance length of rounds verifying a hit's drafts vs "
+              "exact drafts:", "", "| batch | hits by rank | acc. len hit / exact |",
+              "|---|---|---|"]
+    for r in rows:
+        ranks = r["grpc_ahead_rank_hits"]
+        cells = ", ".join(f"{k}: {ranks[k]}" for k in sorted(ranks, key=int)) or "-"
+        al = " / ".join("-" if r[f"grpc_ahead_al_{w}"] is None
+                        else f"{r[f'grpc_ahead_al_{w}']:.2f}" for w in ("hit", "exact"))
+        lines.append(f"| {r['batch']} | {cells} | {al} |")
     lines += ["", "Round anatomy (ms per verifier step; drafter ms per draft batch):", "",
               "| batch | round plain / in-proc / local / g1 / g2 | drafter in-proc / local "
               "/ g1 / g2 | draft wait g1 / g2 | wait share g1 / g2 | wire ms g1 (share) "
@@ -319,6 +398,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def placement_line(meta: dict) -> str:
+    if not meta.get("pinned"):
+        return "Unpinned: every process may run on every core."
+    cores = "; ".join(f"{name} (pid {p['pid']}) on core {','.join(map(str, p['cores']))}"
+                      for name, p in meta["placement"].items())
+    return f"Pinned (--pin, affinity read back): {cores}."
+
+
 def run_batch(batch: int, prompts, models, opts, stacks, args) -> dict:
     """Every mode `args.repeats` times, ABBA order; the row of medians."""
     batch_prompts = (prompts * batch)[:batch]
@@ -330,7 +417,7 @@ def run_batch(batch: int, prompts, models, opts, stacks, args) -> dict:
             else:
                 runs[mode].append(run_local(models, opts, batch_prompts, args.max_tokens,
                                             mode == "inproc"))
-    row = summarize(batch, {m: median_run(runs[m]) for m in MODES})
+    row = summarize(batch, {m: median_run(runs[m]) for m in MODES}, args.k)
     reference = runs["plain"][0]["outputs"]
     for m in MODES:  # every run of every mode, not only the first
         row[f"lossless_{m}"] = all(r["outputs"] == reference for r in runs[m])
@@ -348,6 +435,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads in this process")
     p.add_argument("--repeats", type=int, default=3, help="runs per mode; medians reported")
     p.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
+    p.add_argument("--pin", action="store_true",
+                   help="verifier and co-located modes on core 0, drafter actors on core 1")
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("CHAINSPEC_STATE_DIR", tempfile.mkdtemp(prefix="services-bench-"))
@@ -360,10 +449,17 @@ def main(argv=None) -> int:
     models = load_models(opts)
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR",
              log_to_driver=False)
-    stacks, rows = {}, []
+    stacks, rows, placement = {}, [], {}
+    if args.pin:
+        placement["bench"] = {"pid": os.getpid(), "cores": pin_process(VERIFIER_CORES)}
     try:
         for name in STACKS:
             stacks[name] = start_stack(name, args.model, args.k, max(args.batch), args.max_len)
+            if args.pin:
+                for role, actor in zip(("verifier", "drafter"), stacks[name][1],
+                                       strict=False):
+                    placement[f"{name}.{role}"] = pin_actor(
+                        actor, VERIFIER_CORES if role == "verifier" else DRAFTER_CORES)
         for batch in args.batch:
             rows.append(run_batch(batch, prompts, models, opts, stacks, args))
             print(json.dumps(rows[-1], indent=1), flush=True)
@@ -374,7 +470,8 @@ def main(argv=None) -> int:
     meta = {"model": str(args.model), "k": args.k, "max_tokens": args.max_tokens,
             "repeats": args.repeats, "load_average_start": load_start,
             "load_average": os.getloadavg(), "batches": args.batch,
-            "threads": args.threads, "host": f"{platform.processor() or platform.machine()}, "
+            "threads": args.threads, "pinned": args.pin, "placement": placement,
+            "host": f"{platform.processor() or platform.machine()}, "
             f"{os.cpu_count()} CPUs, python {sys.version.split()[0]}, torch {torch.__version__}"}
     report = markdown(rows, meta)
     print(report)
