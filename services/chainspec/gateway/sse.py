@@ -17,12 +17,13 @@ from typing import Any
 
 from starlette.responses import StreamingResponse
 
-from chainspec.gateway.choices import ChoiceState, Shape
+from chainspec.gateway.choices import Shape
 from chainspec.gateway.client import GenerationStream
 from chainspec.gateway.errors import APIError
 from chainspec.gateway.fanout import interleave, merge_stats
 from chainspec.gateway.responses import Envelope, Format, chunk_body, finish_reason
 from chainspec.gateway.strict_json import dumps
+from chainspec.rpc.generated.v1 import verifier_pb2 as pb
 
 DONE = "data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -37,9 +38,8 @@ def event(data: dict[str, Any]) -> str:
 async def stream_events(streams: Sequence[GenerationStream], fmt: type[Format],
                         env: Envelope, include_usage: bool, shape: Shape
                         ) -> AsyncIterator[str]:
-    def chunk(choice: dict[str, Any]) -> str:
-        return event(chunk_body(fmt, env, [choice], include_usage))
-    states = [ChoiceState(i, []) for i in range(len(streams))]
+    chunk = ChunkEvents(fmt, env, include_usage)
+    finished: list[pb.GenerateFinished | None] = [None] * len(streams)
     offsets = [len(shape.echo)] * len(streams)  # text_offset of each choice's next token
     try:
         for i in range(len(streams)):
@@ -47,17 +47,18 @@ async def stream_events(streams: Sequence[GenerationStream], fmt: type[Format],
                 yield chunk(fmt.delta("", None, role=True, index=i))
             if shape.echo:
                 yield chunk(fmt.delta(shape.echo, None, index=i))
-        async for i, msg in interleave(streams):
-            states[i].add(msg)
+        async for i, msg in _messages(streams):
             if msg.HasField("chunk"):
                 lps = shape.logprobs_of(fmt, msg.chunk.logprobs, offsets[i])
-                offsets[i] += len(msg.chunk.text)
-                if msg.chunk.text or lps:
-                    yield chunk(fmt.delta(msg.chunk.text, None, index=i, logprobs=lps))
+                text = msg.chunk.text
+                offsets[i] += len(text)
+                if text or lps:
+                    yield chunk(fmt.delta(text, None, index=i, logprobs=lps))
                 continue
+            finished[i] = msg.finished
             yield chunk(fmt.delta(None, finish_reason(msg.finished), index=i))
         if include_usage:
-            stats = merge_stats([s.finished.stats for s in states if s.finished])
+            stats = merge_stats([f.stats for f in finished if f is not None])
             yield event(chunk_body(fmt, env, [], True, stats))
         yield DONE
     except APIError as e:
@@ -65,6 +66,33 @@ async def stream_events(streams: Sequence[GenerationStream], fmt: type[Format],
     finally:
         for stream in streams:
             stream.close()
+
+
+def _messages(streams: Sequence[GenerationStream]
+              ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    """(choice index, message); one stream (n = 1) is read directly, without the task
+    per message that interleaving n streams takes."""
+    if len(streams) > 1:
+        return interleave(streams)
+
+    async def single() -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+        async for msg in streams[0].messages():
+            yield 0, msg
+    return single()
+
+
+class ChunkEvents:
+    """`event(chunk_body(fmt, env, [choice], include_usage))` for one choice, with the
+    envelope's JSON rendered once per response rather than once per chunk."""
+
+    def __init__(self, fmt: type[Format], env: Envelope, include_usage: bool) -> None:
+        body = chunk_body(fmt, env, [], include_usage)
+        text = dumps(body)
+        cut = text.rindex('"choices":[]') + len('"choices":[')  # NOTE: after the model
+        self.head, self.tail = "data: " + text[:cut], text[cut:] + "\n\n"
+
+    def __call__(self, choice: dict[str, Any]) -> str:
+        return f"{self.head}{dumps(choice)}{self.tail}"
 
 
 class EventStreamResponse(StreamingResponse):
