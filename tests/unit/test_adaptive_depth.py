@@ -3,9 +3,14 @@
 Costs are in milliseconds (the policy only compares ratios). Each expected depth is
 checked by hand from tokens/seconds in the test's comment."""
 
+import itertools
+import random
+
 import pytest
 
 from chainspec.engine.adaptive_depth import (
+    EXPLORE_AFTER,
+    SWITCH_MARGIN,
     AdaptiveDepth,
     PositionCounts,
     StepCost,
@@ -95,7 +100,7 @@ def _learned(batch: int, accepted: int) -> AdaptiveDepth:
         for seq in range(batch):
             policy.observe_round(seq, 3, accepted)
         rows = batch * 4 if step % 2 else batch  # rows vary (as prefill and depth do)
-        policy.observe_step(rows, 1.0 + rows, 0.0, drafted=True)
+        policy.observe_step(rows, 1.0 + rows, 0.0, 0.0, asked=True)
     return policy
 
 
@@ -123,3 +128,72 @@ def test_unmeasured_policy_verifies_full_depth_and_forgets_finished_sequences():
     policy.observe_round(7, 3, 0)
     policy.forget(7)
     assert 7 not in policy.seqs
+
+
+def _tokens_per_s(rates, depths, cost: StepCost, other_rows: int = 0) -> float:
+    """The objective, spelled out: expected tokens over the step's seconds."""
+    tokens = sum(expected_tokens(r, k) for r, k in zip(rates, depths, strict=True))
+    seconds = cost.fixed_s + cost.per_row_s * (sum(k + 1 for k in depths) + other_rows)
+    return tokens / (seconds + (cost.draft_s if any(depths) else 0.0))
+
+
+def test_choice_maximises_tokens_per_second_against_brute_force():
+    rng = random.Random(7)
+    for _ in range(300):
+        n, k = rng.randint(1, 3), rng.randint(1, 3)
+        rates = [sorted((rng.random() for _ in range(k)), reverse=rng.random() < 0.5)
+                 for _ in range(n)]
+        caps = [rng.randint(0, k) for _ in range(n)]
+        cost = StepCost(rng.uniform(0, 3), rng.uniform(0.01, 2), rng.choice([0, 0.5, 3]))
+        other = rng.choice([0, 0, 20])
+        best = max(_tokens_per_s(rates, d, cost, other)
+                   for d in itertools.product(*(range(c + 1) for c in caps)))
+        chosen = choose_depths(rates, caps, cost, other)
+        assert all(0 <= d <= c for d, c in zip(chosen, caps, strict=True))
+        assert _tokens_per_s(rates, chosen, cost, other) == pytest.approx(best, rel=1e-9)
+
+
+def test_expensive_rows_choose_plain_and_cheap_rows_full_depth():
+    rates = [[0.8] * 4] * 8
+    assert choose_depths(rates, [4] * 8, StepCost(1.0, 10.0)) == [0] * 8
+    assert choose_depths(rates, [4] * 8, StepCost(10.0, 0.01)) == [4] * 8
+
+
+def test_margin_keeps_plain_unless_drafting_clearly_pays():
+    # plain 1/2 = .5; one draft at .525: 1.525/3 = .508, 1.7 % better: not enough
+    rates, cost = [[0.525, 0.0]], StepCost(1.0, 1.0)
+    assert choose_depths(rates, [2], cost) == [1]
+    assert choose_depths(rates, [2], cost, margin=SWITCH_MARGIN) == [0]
+
+
+def _policy_with_rounds(clean_s: float, prompt_s: float, prompt_steps: int) -> AdaptiveDepth:
+    """Steps of 2 rows, 2 ms each; rounds without prompt rows take `clean_s`, and
+    `prompt_steps` rounds that carried prompt rows take `prompt_s`."""
+    policy = AdaptiveDepth(num_steps=3)
+    for step in range(40):
+        prompt = step < prompt_steps
+        policy.observe_step(2 + step % 2, 2.0, 0.5, prompt_s if prompt else clean_s,
+                            asked=True, prompt_rows=prompt)
+    return policy
+
+
+def test_prompt_rows_do_not_price_drafting_out():
+    # the first 20 rounds carried prompt rows (the drafter's work whatever the depth)
+    policy = _policy_with_rounds(clean_s=0.3, prompt_s=50.0, prompt_steps=20)
+    cost = policy.cost()
+    assert cost.draft_s == pytest.approx(0.3)
+    assert cost.fixed_s == pytest.approx(policy.forward.coefficients()[0] + 0.5)
+    for _ in range(10):
+        policy.observe_round(0, 3, 3)
+    assert policy.depths([0], [3]) == [3]
+    # with every round carrying prompt rows, those are all there is to go by
+    assert _policy_with_rounds(0.3, 50.0, 40).cost().draft_s == pytest.approx(50.0)
+
+
+def test_plain_policy_asks_for_drafts_again_after_a_while():
+    policy = _policy_with_rounds(clean_s=100.0, prompt_s=0.0, prompt_steps=0)
+    for _ in range(10):
+        policy.observe_round(0, 3, 3)
+    chosen = [policy.depths([0], [3])[0] for _ in range(2 * EXPLORE_AFTER + 2)]
+    assert chosen.count(3) == 2 and chosen.count(0) == 2 * EXPLORE_AFTER  # one probe each
+    assert chosen[EXPLORE_AFTER] == 3

@@ -5,9 +5,16 @@ Two estimates feed the choice, both measured online, neither tuned by the user:
 - acceptance per draft position: `a[i]` = P(draft i+1 accepted | drafts 1..i accepted),
   per sequence, with the global per-position rates as its prior;
 - the step's cost: `fixed_s + per_row_s * rows` for the forward (a verify window is k + 1
-  rows, a plain decode row 1), plus `draft_s`, the draft round as the verifier sees it
-  (its wait for drafts and the drafter work it does itself), paid when any sequence
-  drafts.
+  rows, a plain decode row 1) plus the step's other work, and `draft_s`, the draft round
+  as the verifier sees it (its wait for drafts and the drafter work it does itself,
+  timed directly), paid when any sequence drafts. A step where none drafts runs no
+  draft round (verifier_drafts.py holds the rows back).
+
+Three guards keep the estimates honest under load: the draft round's cost is a rolling
+median of rounds with no prompt rows in them (a prompt's rows are the drafter's to take
+whatever the depth, and would price drafting out); switching drafting back on must beat
+plain by `SWITCH_MARGIN` (no flapping on noise); and after `EXPLORE_AFTER` plain steps
+one step asks for drafts again, so a load that fell is noticed.
 
 `choose_depths` is the pure decision; `AdaptiveDepth` holds the estimates. Depth changes
 which drafts are verified, never how: the acceptance rule decides every token (3.3).
@@ -15,6 +22,8 @@ which drafts are verified, never how: the acceptance rule decides every token (3
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +32,10 @@ PRIOR_WEIGHT = 4.0  # rounds' worth of weight the global rate has in a sequence'
 SEQ_DECAY = 0.9  # a sequence's running estimate: weight of the past per new round
 GLOBAL_DECAY = 0.995  # global rates: slow forgetting
 COST_DECAY = 0.98  # step cost fit: weight of the past per step
+COST_WINDOW = 32  # steps in the rolling medians of the draft round and the overhead
+MIN_CLEAN = 4  # rounds without prompt rows before their median is trusted
+SWITCH_MARGIN = 0.02  # from plain, drafting must promise this much more tokens/s
+EXPLORE_AFTER = 64  # plain steps in a row before one asks for drafts again
 
 
 @dataclass(frozen=True)
@@ -45,7 +58,7 @@ def expected_tokens(rates: Sequence[float], k: int) -> float:
 
 
 def choose_depths(rates: Sequence[Sequence[float]], caps: Sequence[int], cost: StepCost,
-                  other_rows: int = 0) -> list[int]:
+                  other_rows: int = 0, margin: float = 0.0) -> list[int]:
     """Depth per sequence maximising (expected tokens) / (step seconds).
 
     `rates[s][i]`: sequence s's conditional acceptance of draft i+1; `caps[s]`: most drafts
@@ -53,7 +66,8 @@ def choose_depths(rates: Sequence[Sequence[float]], caps: Sequence[int], cost: S
     Each extra draft of s adds `prod(rates[s][:k+1])` tokens (falling in k) for
     `per_row_s` seconds, so the best set is a prefix of the gains in falling order: take
     a gain while it beats the current tokens per second. Drafting at all also costs
-    `draft_s`; the result is all zeros when that does not pay."""
+    `draft_s`; the result is all zeros unless that beats plain by the factor
+    `1 + margin`."""
     n = len(rates)
     base_tokens = float(n)
     base_s = cost.fixed_s + cost.per_row_s * (n + other_rows)
@@ -73,7 +87,7 @@ def choose_depths(rates: Sequence[Sequence[float]], caps: Sequence[int], cost: S
         tokens += gain
         seconds += cost.per_row_s
         taken += 1
-    if not n or not taken or tokens * base_s <= base_tokens * seconds:
+    if not n or not taken or tokens * base_s <= (1 + margin) * base_tokens * seconds:
         return depths  # plain decoding is at least as fast
     for _, s in gains[:taken]:
         depths[s] += 1
@@ -142,8 +156,11 @@ class AdaptiveDepth:
     seqs: dict[Hashable, PositionCounts] = field(default_factory=dict)
     global_counts: PositionCounts | None = None
     forward: _LinearFit = field(default_factory=lambda: _LinearFit(COST_DECAY))
-    draft_s: float | None = None  # overhead of steps with drafts, beyond the forward
-    plain_s: float | None = None  # overhead of steps without drafts, beyond the forward
+    rounds: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # draft s
+    clean_rounds: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    overheads: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # s
+    plain_steps: int = 0  # steps in a row that chose no drafts
+    _last: tuple[bool, bool] = (False, False)  # the previous step asked, had prompt rows
 
     def __post_init__(self) -> None:
         if self.global_counts is None:
@@ -162,15 +179,23 @@ class AdaptiveDepth:
         fit = self.forward.coefficients()
         if fit is None:
             return None
-        draft = 0.0 if self.draft_s is None else max(0.0, self.draft_s - (self.plain_s or 0.0))
-        return StepCost(fit[0], fit[1], draft)
+        rounds = self.clean_rounds if len(self.clean_rounds) >= MIN_CLEAN else self.rounds
+        draft = statistics.median(rounds) if rounds else 0.0
+        overhead = statistics.median(self.overheads) if self.overheads else 0.0
+        return StepCost(fit[0] + overhead, fit[1], draft)
 
     def depths(self, keys: Sequence[Hashable], caps: Sequence[int],
                other_rows: int = 0) -> list[int]:
         cost = self.cost()
         if cost is None:
             return list(caps)
-        return choose_depths([self.rates(k) for k in keys], caps, cost, other_rows)
+        if self.plain_steps >= EXPLORE_AFTER:  # NOTE: re-measure the round: load may fall
+            self.plain_steps = 0
+            return list(caps)
+        margin = SWITCH_MARGIN if self.plain_steps else 0.0
+        out = choose_depths([self.rates(k) for k in keys], caps, cost, other_rows, margin)
+        self.plain_steps = 0 if any(out) else self.plain_steps + 1
+        return out
 
     def observe_round(self, key: Hashable, num_drafts: int, accepted: int) -> None:
         if num_drafts == 0:
@@ -179,20 +204,22 @@ class AdaptiveDepth:
         counts.record(num_drafts, accepted, SEQ_DECAY)
         self.global_counts.record(num_drafts, accepted, GLOBAL_DECAY)
 
-    def observe_step(self, rows: int, forward_s: float, other_s: float,
-                     drafted: bool) -> None:
-        """A step ran `rows` rows in `forward_s`; `other_s`: the rest of its time (draft
-        wait, bookkeeping, the update sent); `drafted`: some sequence verified drafts."""
+    def observe_step(self, rows: int, forward_s: float, overhead_s: float, draft_s: float,
+                     asked: bool, prompt_rows: bool = False) -> None:
+        """A step ran `rows` rows in `forward_s`; `overhead_s`: its other work but the
+        drafter's; `draft_s`: its time in the drafter client (the wait for drafts, and
+        an in-process drafter's round); `asked`: it asked for drafts; `prompt_rows`: it
+        sent the drafter prompt rows. NOTE: a remote round's wait falls in the step after
+        the one that asked, so both steps' flags qualify a sample."""
         if rows > 0:
             self.forward.add(rows, forward_s)
-        if drafted:
-            self.draft_s = _ema(self.draft_s, other_s)
-        else:
-            self.plain_s = _ema(self.plain_s, other_s)
+        self.overheads.append(max(0.0, overhead_s))
+        asked_before, prompt_before = self._last
+        if asked or asked_before:
+            self.rounds.append(draft_s)
+            if not (prompt_rows or prompt_before):
+                self.clean_rounds.append(draft_s)
+        self._last = (asked, prompt_rows)
 
     def forget(self, key: Hashable) -> None:
         self.seqs.pop(key, None)
-
-
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else COST_DECAY * old + (1 - COST_DECAY) * new

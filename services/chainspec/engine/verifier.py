@@ -208,7 +208,9 @@ class VerifierEngine(DraftProtocol):
         started = time.perf_counter()
         self._admit()
         group = self._next_group()
+        collect_started = time.perf_counter()
         self._collect_drafts(group)
+        draft_s = time.perf_counter() - collect_started  # the drafter client's share
         if not self.config.draft_ahead:  # NOTE: look-aheads build on the drafter's own drafts
             guide_drafts(group)  # structured output: text the grammar forces is drafted
         drafts_ready = time.perf_counter()
@@ -234,11 +236,12 @@ class VerifierEngine(DraftProtocol):
             if upd is not None:
                 updates.append(upd)
         if updates and self.drafter is not None:
+            submit_started = time.perf_counter()
             self.drafter.submit(updates)
+            draft_s += time.perf_counter() - submit_started
         if self.depth is not None:  # NOTE: before _reap, which forgets finished sequences
-            self._learn_depth(work, result.verdicts, forward_s,
-                              time.perf_counter() - started - forward_s,
-                              any(u.want_drafts for u in updates))
+            self._learn_depth(work, result.verdicts, updates, forward_s, draft_s,
+                              time.perf_counter() - started - forward_s - draft_s)
         outputs.extend(self._reap())
         self._observe(started, drafts_ready, work, result.verdicts, outputs)
         return outputs
@@ -265,16 +268,16 @@ class VerifierEngine(DraftProtocol):
                                  ahead=w.ahead and k > 0)
         return out
 
-    def _learn_depth(self, work: Sequence[Work], verdicts, forward_s: float,
-                     other_s: float, asked: bool) -> None:
-        """`asked`: this step asked for drafts (an in-process drafter drafts within it)."""
-        drafted = asked
+    def _learn_depth(self, work: Sequence[Work], verdicts, updates: Sequence[SeqUpdate],
+                     forward_s: float, draft_s: float, overhead_s: float) -> None:
+        """`draft_s`: the step's time in the drafter client; `updates`: what it sent."""
         for w, verdict in zip(work, verdicts, strict=True):
             if w.kind is WorkKind.VERIFY and w.num_drafts:
-                drafted = True
                 self.depth.observe_round(self.seq_ids[w.request.request_id], w.num_drafts,
                                          verdict.accepted)
-        self.depth.observe_step(sum(w.num_rows for w in work), forward_s, other_s, drafted)
+        self.depth.observe_step(sum(w.num_rows for w in work), forward_s, overhead_s, draft_s,
+                                any(u.want_drafts for u in updates),
+                                any(w.kind is WorkKind.PREFILL for w in work))
 
     def _observe(self, started: float, drafts_ready: float, work, verdicts, outputs) -> None:
         if self.observer is None:
