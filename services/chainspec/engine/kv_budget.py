@@ -17,6 +17,7 @@ import torch
 
 from chainspec.engine.block_allocator import BlockAllocator
 from chainspec.engine.kv_groups import CacheClaims
+from chainspec.engine.state_snapshots import StateSnapshots
 from chainspec.models.cache_spec import CacheSpec, PagedSpec, StateSpec
 from chainspec.models.kv_cache import ModelKVCache
 from chainspec.spine.sections import StackSection
@@ -35,6 +36,9 @@ class KVBudget:
     # TOTAL memory, weights included; the KV pool takes what is left of it (CUDA only)
     utilization: float | None = None
     prefix_caching: bool = True  # --enable-prefix-caching (DESIGN 4.12)
+    # recurrent-state snapshots at block boundaries, for hybrid models' prefix caching
+    # (engine/state_snapshots.py); None: as many as the running sequences' kept rows
+    state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -43,6 +47,8 @@ class KVBudget:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.memory_bytes}")
         if self.fraction is not None and not 0 < self.fraction <= 1:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.fraction}")
+        if self.state_snapshots is not None and self.state_snapshots < 0:
+            raise ValueError(f"state_snapshots must be >= 0, got {self.state_snapshots}")
         if self.blocks is not None and self.blocks < 1:
             raise ValueError(f"blocks must be >= 1, got {self.blocks}")
         if self.utilization is not None and not 0 < self.utilization <= 1:
@@ -107,32 +113,48 @@ class CacheLayout:
 
 def model_cache(specs: Sequence[CacheSpec], budget: KVBudget, max_seqs: int, max_len: int,
                 max_rows: int, state_rows: int, dtype: torch.dtype, device: torch.device,
-                separate_windows: bool = True
+                separate_windows: bool = True, snapshot_states: bool = False
                 ) -> tuple[ModelKVCache, BlockAllocator, CacheClaims]:
     """An engine's cache sized by `budget`, the allocator of its full-length blocks and
     the pools of its per-sequence claims. `max_rows`: the most rows one sequence writes
-    in a step (its window blocks' bound); `state_rows`: rows of state kept (K+1)."""
+    in a step (its window blocks' bound); `state_rows`: rows of state kept (K+1);
+    `snapshot_states`: the engine snapshots recurrent states at block boundaries (the
+    verifier), so a model with states can cache prefixes."""
     layout = CacheLayout.of(specs, budget.block_size, max_seqs, max_rows, state_rows, dtype,
                             separate_windows)
-    fixed = layout.window_bytes + layout.state_bytes
-    blocks = budget.num_blocks(layout.full_block_bytes, max_seqs, max_len, device, fixed)
     has_states = layout.state_bytes > 0
+    snaps = snapshot_count(budget, max_seqs, state_rows) if has_states and snapshot_states \
+        else 0
+    caching = budget.prefix_caching and caches_prefixes(specs, separate_windows, snaps > 0)
+    snaps = snaps if caching else 0
+    extra = -(-snaps // state_rows)  # slots after the running ones hold the snapshots
+    fixed = layout.window_bytes + layout.state_bytes * (max_seqs + extra) // max_seqs
+    blocks = budget.num_blocks(layout.full_block_bytes, max_seqs, max_len, device, fixed)
     cache = ModelKVCache(specs, {None: blocks, **layout.window_blocks}, budget.block_size,
-                         max_seqs if has_states else 0, state_rows, dtype, device,
+                         max_seqs + extra if has_states else 0, state_rows, dtype, device,
                          separate_windows)
+    snapshots = StateSnapshots(
+        [t for i, s in enumerate(specs) if isinstance(s, StateSpec) for t in cache.state(i)],
+        max_seqs, state_rows, snaps) if snaps else None
     claims = CacheClaims(layout.window_blocks, budget.block_size,
-                         max_seqs if has_states else 0)
-    caching = budget.prefix_caching and caches_prefixes(specs, separate_windows)
+                         max_seqs if has_states else 0, snapshots)
     return cache, BlockAllocator(blocks, budget.block_size, caching), claims
 
 
-def caches_prefixes(specs: Sequence[CacheSpec], separate_windows: bool) -> bool:
-    """Whether a cache of `specs` can share prefix blocks. NOTE: not yet with recurrent
-    states (a hit needs the state at the block boundary, not snapshotted yet) nor with
-    windowed groups whose blocks below the window go back to the pool (a hit needs the
-    window's last blocks, which a finished sequence no longer holds): those models prefill
-    every prompt in full (DESIGN 4.12, docs/design.md)."""
-    if any(isinstance(s, StateSpec) for s in specs):
+def snapshot_count(budget: KVBudget, max_seqs: int, state_rows: int) -> int:
+    """State snapshots kept for prefix caching: the budget's, else one per kept row of
+    the running sequences (the snapshots then take as many bytes as their states)."""
+    return max_seqs * state_rows if budget.state_snapshots is None else budget.state_snapshots
+
+
+def caches_prefixes(specs: Sequence[CacheSpec], separate_windows: bool,
+                    snapshots: bool = False) -> bool:
+    """Whether a cache of `specs` can share prefix blocks. Recurrent states only with
+    `snapshots` (a hit needs the state at the block boundary: engine/state_snapshots.py).
+    NOTE: not with windowed groups whose blocks below the window go back to the pool (a
+    hit needs the window's last blocks, which a finished sequence no longer holds): those
+    models prefill every prompt in full (DESIGN 4.12, docs/design.md)."""
+    if any(isinstance(s, StateSpec) for s in specs) and not snapshots:
         return False
     return not (separate_windows and any(isinstance(s, PagedSpec) and s.window is not None
                                          for s in specs))

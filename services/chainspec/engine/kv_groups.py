@@ -6,13 +6,22 @@ state.
 Both are bounded per sequence, so `CacheClaims` sizes their pools for `max_seqs` running
 sequences up front: a running sequence never waits for them, and admission and
 preemption stay about the full-length blocks alone.
+
+With prefix caching, a model with states also has `StateSnapshots` (the states at block
+boundaries, engine/state_snapshots.py): a sequence admitted on a cached prefix starts
+from the snapshot at the prefix's end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from chainspec.engine.block_allocator import BlockAllocator
+from chainspec.engine.prefix_cache import BlockHash
+
+if TYPE_CHECKING:  # NOTE: it reads requests, which hold claims
+    from chainspec.engine.state_snapshots import StateSnapshots
 
 
 class WindowTable:
@@ -58,6 +67,10 @@ class SeqClaims:
         self.windows = {w: WindowTable() for w in windows}
         self.state_slot = -1  # -1: none (not running, or the model keeps no state)
         self.state_row = -1  # kept row with the committed state; -1: start from zero
+        # this step's snapshots (engine/state_snapshots.py): (row, slot, kept row) the
+        # prefill chunk writes, and (hash, snapshot) to cache once it is committed
+        self.snapshots_due: tuple[tuple[int, int, int], ...] = ()
+        self.snapshots_pending: tuple[tuple[BlockHash, int], ...] = ()
 
     def tables(self) -> dict[int, list[int]]:
         return {w: t.table() for w, t in self.windows.items()}
@@ -66,19 +79,24 @@ class SeqClaims:
 class CacheClaims:
     """Pools of the windowed groups and the state slots, for `max_seqs` sequences."""
 
-    def __init__(self, window_blocks: dict[int, int], block_size: int, state_slots: int
-                 ) -> None:
+    def __init__(self, window_blocks: dict[int, int], block_size: int, state_slots: int,
+                 snapshots: StateSnapshots | None = None) -> None:
         self.pools = {w: BlockAllocator(n, block_size) for w, n in window_blocks.items()}
         self._free_slots = list(range(state_slots - 1, -1, -1))
+        self.snapshots = snapshots  # states at block boundaries (prefix caching)
 
     def new(self) -> SeqClaims:
         return SeqClaims(self.pools)
 
-    def claim(self, seq: SeqClaims) -> None:
-        """At admission: a state slot (if the model keeps states), from zero."""
+    def claim(self, seq: SeqClaims, prefix: BlockHash | None = None) -> None:
+        """At admission: a state slot (if the model keeps states), from zero, or from
+        the snapshot of `prefix` (the last block of a cached prefix it starts after)."""
         if self._free_slots and seq.state_slot < 0:
             seq.state_slot = self._free_slots.pop()
         seq.state_row = -1
+        if prefix is not None and self.snapshots is not None and seq.state_slot >= 0:
+            self.snapshots.load(prefix, seq.state_slot)
+            seq.state_row = 0
 
     def ensure(self, seq: SeqClaims, num_tokens: int) -> None:
         for w, table in seq.windows.items():
@@ -96,3 +114,6 @@ class CacheClaims:
         if seq.state_slot >= 0:
             self._free_slots.append(seq.state_slot)
         seq.state_slot, seq.state_row = -1, -1
+        for _, snap in seq.snapshots_pending:  # never written: a preempted chunk
+            self.snapshots.release(snap)
+        seq.snapshots_due, seq.snapshots_pending = (), ()

@@ -19,6 +19,7 @@ from chainspec.engine.block_allocator import BlockAllocator
 from chainspec.engine.prefix_cache import chain_hashes
 from chainspec.engine.request import Request
 from chainspec.engine.schedule import Work
+from chainspec.engine.state_snapshots import StateSnapshots
 
 
 def reserve(work: Sequence[Work], running: Sequence[Request], allocator: BlockAllocator
@@ -54,8 +55,8 @@ def requeue(req: Request) -> None:
     req.preemptions += 1
 
 
-def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare: int = 0
-                 ) -> bool:
+def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare: int = 0,
+                 snapshots: StateSnapshots | None = None) -> bool:
     """Admission by free blocks: the whole prefill plus one verify window, or nothing.
 
     With prefix caching the table starts with the longest cached prefix (shared), whose
@@ -64,7 +65,9 @@ def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare:
     blocks, never a shared one (vLLM recomputes only the last token, into the shared
     block). `spare`: blocks of the hit left out at its end and recomputed: 1 with a
     drafter, whose MTP KV in a block depends on the K tokens after it, so it needs the
-    target's hidden rows of the last block to redo it for this continuation."""
+    target's hidden rows of the last block to redo it for this continuation.
+    `snapshots` (a model with recurrent states): the hit ends at its last block with a
+    state snapshot, which `CacheClaims.claim` then loads (engine/state_snapshots.py)."""
     need = len(req.tokens) + num_steps + 1
     cache = allocator.cache
     if cache is None:
@@ -73,6 +76,9 @@ def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare:
     hit = cache.match(chain_hashes(req.tokens, allocator.block_size, req.block_hashes,
                                    limit, req.hash_root)[:limit])
     hit = hit[:max(0, len(hit) - spare)]
+    if snapshots is not None:
+        while hit and not snapshots.holds(req.block_hashes[len(hit) - 1]):
+            hit.pop()
     idle = sum(cache.is_idle(b) for b in hit)  # NOTE: held from now on, no longer free
     if allocator.blocks_for(need) - len(hit) > allocator.num_free - idle:
         return False
@@ -89,9 +95,11 @@ def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare:
 
 def cache_committed(req: Request, allocator: BlockAllocator) -> None:
     """Cache the full blocks below `num_computed`: their KV holds committed tokens only
-    (rejected drafts' rows lie at or past num_computed), and nothing writes them again."""
+    (rejected drafts' rows lie at or past num_computed), and nothing writes them again.
+    NOTE: only blocks whose tokens `req.tokens` holds: the hash needs them (a verify
+    window's accepted drafts are appended after its rows are computed)."""
     cache, bs = allocator.cache, allocator.block_size
-    full = req.num_computed // bs
+    full = min(req.num_computed, len(req.tokens)) // bs
     if cache is None or full <= req.num_cached:
         return
     hashes = chain_hashes(req.tokens, bs, req.block_hashes, full, req.hash_root)

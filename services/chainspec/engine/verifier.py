@@ -99,7 +99,9 @@ class VerifierEngine(DraftProtocol):
         self.cache, self.allocator, self.claims = model_cache(
             model.cache_specs(), config.kv, config.max_seqs, config.max_len,
             max(config.prefill_chunk, config.num_steps + 1), config.num_steps + 1,
-            self.dtype, self.device)
+            self.dtype, self.device,
+            # NOTE: not on a TP group: snapshots are copied on this rank's states alone
+            snapshot_states=getattr(model, "tp", None) is None)
         self.preemptions = 0
         self.graphs = VerifyGraphs(model, self.cache, config.max_seqs, config.num_steps,
                                    config.max_len, config.use_graphs)
@@ -222,6 +224,8 @@ class VerifierEngine(DraftProtocol):
             self._observe(started, drafts_ready, (), (), outputs)
             return outputs
         work = self._choose_depths(work)
+        if self.claims.snapshots is not None:  # states at block ends (prefix caching)
+            self.claims.snapshots.plan(work, self.allocator.block_size)
         forward_started = time.perf_counter()
         result = run_verify(self.model, self.cache, work, self.device, self.graphs,
                             self.eos_ids)
@@ -321,14 +325,17 @@ class VerifierEngine(DraftProtocol):
             spare = 0 if self.drafter is None else -(-self.config.num_steps //
                                                      self.allocator.block_size)
             if req is None or not preemption.admit_blocks(req, self.allocator,
-                                                          self.config.num_steps, spare):
+                                                          self.config.num_steps, spare,
+                                                          self.claims.snapshots):
                 break  # nobody waits, or wait for blocks
             self.waiting.remove(req)
             sizes = [0] * self.config.groups
             for r in self.running:
                 sizes[r.group] += 1
             req.group = sizes.index(min(sizes))  # the smallest group
-            self.claims.claim(req.claims)
+            # a hit on a hybrid model starts from the state snapshot at its end
+            self.claims.claim(req.claims, req.block_hashes[req.num_cached - 1]
+                              if req.num_cached else None)
             self.running.append(req)
 
     def _reserve(self, work: list[Work]) -> list[Work]:
@@ -384,6 +391,7 @@ class VerifierEngine(DraftProtocol):
         if verdict is None:  # a prefill chunk that does not finish the prompt
             req.num_computed += item.num_rows
             self._advance_claims(req, 0)
+            self._cache_committed(item, 0)
             return None
         accepted = verdict.accepted
         if item.kind is WorkKind.VERIFY:
@@ -399,6 +407,7 @@ class VerifierEngine(DraftProtocol):
         req.drafts = self._ahead_drafts(req, item.start, new)
         req.drafts_ahead = req.drafts is not None
         emitted = self._append_until_stop(req, new)
+        self._cache_committed(item, accepted)  # NOTE: after the append: hashes read tokens
         final = req.finish_reason is not None
         logprobs = None if verdict.logprobs is None else verdict.logprobs[:len(emitted)]
         return RequestOutput(req.request_id, tuple(emitted), req.finish_reason,
@@ -410,7 +419,13 @@ class VerifierEngine(DraftProtocol):
         (DESIGN 4.9: nothing recomputed), and window blocks no row can see go back."""
         req.claims.state_row = kept_row
         self.claims.trim(req.claims, req.num_computed)
-        preemption.cache_committed(req, self.allocator)  # prefix caching (DESIGN 4.12)
+
+    def _cache_committed(self, item: Work, accepted: int) -> None:
+        """Prefix caching (DESIGN 4.12): the committed full blocks, and a hybrid model's
+        states at their ends (engine/state_snapshots.py)."""
+        preemption.cache_committed(item.request, self.allocator)
+        if self.claims.snapshots is not None:
+            self.claims.snapshots.commit(item, accepted, self.allocator.block_size)
 
     def _append_until_stop(self, req: Request, new: list[int]) -> list[int]:
         emitted = []

@@ -50,7 +50,7 @@ def seq_rows(w: Work) -> SeqRows:
     claims = w.request.claims
     return SeqRows(w.request.blocks.blocks, w.start, w.num_rows, claims.tables(),
                    claims.state_slot, claims.state_row if w.start else -1,
-                   w.kind is WorkKind.VERIFY)
+                   w.kind is WorkKind.VERIFY, claims.snapshots_due)
 
 
 class StaticVerifyBuffers:

@@ -34,7 +34,8 @@ class SeqRows:
     `window_tables`: per window size, the sequence's table for that group (entries of
     blocks given back are never read). `state_slot` / `state_src`: its recurrent-state
     slot and the kept row holding its committed state (-1: start from zero);
-    `keep_rows`: keep the state after every row (a verify window) or only the last."""
+    `keep_rows`: keep the state after every row (a verify window) or only the last;
+    `state_snaps`: (row, slot, kept row) where the state after a row is written too."""
 
     block_table: Sequence[int]
     start: int
@@ -43,6 +44,7 @@ class SeqRows:
     state_slot: int = -1
     state_src: int = -1
     keep_rows: bool = False
+    state_snaps: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,8 @@ class AttnBatch:
             spans.append((first, first + s.num_rows))
             first += s.num_rows
         states = StateRows.build([(s.state_slot, s.state_src, s.keep_rows) for s in seqs],
-                                 spans, device) if with_states else None
+                                 spans, device, [s.state_snaps for s in seqs]
+                                 ) if with_states else None
         return cls(t(positions), main.slot_mapping, t(row_seq), main.block_tables, groups,
                    states)
 

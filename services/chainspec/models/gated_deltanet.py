@@ -26,6 +26,7 @@ a family with fused projections (Qwen3-Next's `in_proj_qkvz`, `in_proj_ba`) over
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,11 +90,21 @@ CHUNKED_FROM = 8  # spans that keep only their last state, this long or longer: 
 CHUNK = 16
 
 
+def chunk_bounds(n: int, chunk: int, cuts: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """Rows [lo, hi) of each chunk: `chunk` long, also ending after every row in `cuts`."""
+    ends = sorted({*range(chunk, n, chunk), *(c + 1 for c in cuts if 0 <= c < n - 1), n})
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        log_decay: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-                       chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                       chunk: int = CHUNK, cuts: Sequence[int] = (),
+                       states: list[torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule over n rows, `chunk` at a time: q, k [n, H, Dk], v [n, H, Dv],
     log_decay, beta [n, H], state [H, Dk, Dv] -> outputs [n, H, Dv] and the final state.
+    `cuts`: rows (ascending, before the last) whose state is wanted too: chunks end
+    there, and `states` gets the state after each.
 
     Within a chunk, with G_t the cumulative log decay and S0 the state at its start, the
     rows' updates d_t = beta_t (v_t - S_{t-1}^T k_t) solve a unit lower-triangular system
@@ -101,10 +112,11 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     and then o_t = e^(G_t) S0^T q_t + sum_{i<=t} e^(G_t - G_i) (q_t . k_i) d_i,
     S = e^(G_last) S0 + sum_i e^(G_last - G_i) k_i d_i^T."""
     outs = []
-    for lo in range(0, q.shape[0], chunk):
-        qc, kc, vc = (x[lo:lo + chunk].transpose(0, 1) for x in (q, k, v))  # [H, c, D]
-        bc = beta[lo:lo + chunk].T[..., None]  # [H, c, 1]
-        g = log_decay[lo:lo + chunk].T.cumsum(-1)  # [H, c]
+    wanted = set(cuts)
+    for lo, hi in chunk_bounds(q.shape[0], chunk, cuts):
+        qc, kc, vc = (x[lo:hi].transpose(0, 1) for x in (q, k, v))  # [H, c, D]
+        bc = beta[lo:hi].T[..., None]  # [H, c, 1]
+        g = log_decay[lo:hi].T.cumsum(-1)  # [H, c]
         c = g.shape[-1]
         rel = (g[:, :, None] - g[:, None, :]).masked_fill(
             ~torch.ones(c, c, dtype=torch.bool, device=g.device).tril(), float("-inf")).exp()
@@ -115,6 +127,8 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         outs.append(g.exp()[..., None] * (qc @ state) + (rel * (qc @ kc.transpose(1, 2))) @ d)
         last = (g[:, -1:] - g).exp()[..., None]  # [H, c, 1]
         state = g[:, -1].exp()[:, None, None] * state + (kc * last).transpose(1, 2) @ d
+        if hi - 1 in wanted and states is not None:
+            states.append(state)
     return torch.cat(outs, dim=1).transpose(0, 1), state
 
 
@@ -164,7 +178,8 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.project(x)
         beta = b.float().sigmoid()  # [T, Hv]
         log_decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        if use_kernel(x) and isinstance(access, PooledStates):
+        # NOTE: snapshots (prefill spans, never a captured step) take the torch path
+        if use_kernel(x) and isinstance(access, PooledStates) and not access.rows.snapshots:
             core = self._core_kernel(access, mixed, log_decay, beta)
         else:
             core = self._core_reference(access, mixed, log_decay, beta)
@@ -210,7 +225,12 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(n, s.num_v_heads, s.v_head_dim)
         if access.keeps_every_row(seq) or n < CHUNKED_FROM:
             return self._rows(access, seq, inputs, (q, k, v), log_decay, beta, state)
-        out, state = delta_rule_chunked(q, k, v, log_decay, beta, state)
+        cuts = [r for r in access.snapshot_rows(seq) if r < n - 1]
+        mids: list[torch.Tensor] = []
+        out, state = delta_rule_chunked(q, k, v, log_decay, beta, state, cuts=cuts,
+                                        states=mids)
+        for r, mid in zip(cuts, mids, strict=True):  # snapshots inside the span
+            access.store(seq, r, (inputs[r + 1:r + s.conv_kernel].T, mid))
         access.store(seq, n - 1, (inputs[n:].T, state))
         return out
 
@@ -221,13 +241,14 @@ class GatedDeltaNet(nn.Module):
         (q, k, v), n = qkv, log_decay.shape[0]
         decay = log_decay.exp()
         keep = access.keeps_every_row(seq)
+        snaps = set(access.snapshot_rows(seq))
         out = []
         for t in range(n):
             state = state * decay[t][:, None, None]  # [Hv, Dk, Dv]
             delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]
             state = state + k[t][:, :, None] * delta[:, None, :]
             out.append(torch.einsum("hkv,hk->hv", state, q[t]))
-            if keep or t == n - 1:
+            if keep or t == n - 1 or t in snaps:
                 access.store(seq, t, (inputs[t + 1:t + self.shape.conv_kernel].T, state))
         return torch.stack(out)  # [n, Hv, Dv]
 

@@ -4,7 +4,9 @@ A step's `StateRows` says, per sequence, which state slot it owns, which kept ro
 its committed state (-1: start from zero, a prefill from position 0) and whether to keep
 the state after every row (a verify window of K+1 rows) or only after the last (a
 prefill chunk or plain decode; kept as row 0). After j drafts are accepted the engine
-points `src` at row j: nothing is recomputed and nothing is copied.
+points `src` at row j: nothing is recomputed and nothing is copied. `snaps` asks for the
+state after chosen rows of a prefill span as well, written to other (slot, row) places
+of the pool: the snapshots of prefix caching at block boundaries (engine/state_snapshots.py).
 
 The layer asks a `RecurrentAccess` for each sequence's rows and states; the pooled one
 reads and writes the engine's pool, the zero one (dense references) starts every
@@ -30,12 +32,17 @@ class StateRows:
     slot_ids: torch.Tensor  # [S] int64
     src_rows: torch.Tensor  # [S] int64
     keep_flags: torch.Tensor  # [S] int64: 1 = keep every row's state (kernels)
+    # per sequence: (row of its span, slot, kept row) to write the state after that row
+    # to besides (host; prefill spans only: the torch path writes them, not the kernels)
+    snaps: tuple[tuple[tuple[int, int, int], ...], ...] = ()
 
     @classmethod
     def build(cls, seqs: Sequence[tuple[int, int, bool]], spans: Sequence[tuple[int, int]],
-              device: torch.device | str = "cpu") -> StateRows:
+              device: torch.device | str = "cpu",
+              snaps: Sequence[Sequence[tuple[int, int, int]]] = ()) -> StateRows:
         """`seqs`: (slot, src, keep) per sequence; `spans`: its packed rows [a, b)
-        (padding rows of a static buffer lie outside every span)."""
+        (padding rows of a static buffer lie outside every span); `snaps`: per sequence,
+        the snapshots to write (none given: none)."""
         slots = tuple(s for s, _, _ in seqs)
         src = tuple(r for _, r, _ in seqs)
 
@@ -43,8 +50,14 @@ class StateRows:
             return torch.tensor(x, dtype=torch.int64, device=device)
         starts = [a for a, _ in spans] + [spans[-1][1] if spans else 0]
         keep = tuple(bool(k) for _, _, k in seqs)
+        snapped = tuple(tuple(x) for x in snaps) if any(snaps) else ()
         return cls(tuple(spans), slots, src, keep, t(starts), t(slots), t(src),
-                   t([int(k) for k in keep]))
+                   t([int(k) for k in keep]), snapped)
+
+    @property
+    def snapshots(self) -> bool:
+        """Whether some sequence asks for snapshots (the torch path writes them)."""
+        return bool(self.snaps)
 
 
 class RecurrentAccess(Protocol):
@@ -58,9 +71,12 @@ class RecurrentAccess(Protocol):
 
     def keeps_every_row(self, seq: int) -> bool: ...
 
+    def snapshot_rows(self, seq: int) -> tuple[int, ...]:
+        """Rows of the span whose state is stored too (snapshots), ascending."""
+
     def store(self, seq: int, row: int, state: Sequence[torch.Tensor]) -> None:
         """The state after row `row` of the sequence's span (called for every row when
-        `keeps_every_row`, else for the last row only)."""
+        `keeps_every_row`, else for the last row and the `snapshot_rows`)."""
 
 
 class PooledStates:
@@ -90,11 +106,21 @@ class PooledStates:
     def keeps_every_row(self, seq: int) -> bool:
         return self.rows.keep[self._seq(seq)]
 
+    def snapshot_rows(self, seq: int) -> tuple[int, ...]:
+        if not self.rows.snaps:
+            return ()
+        return tuple(r for r, _, _ in self.rows.snaps[self._seq(seq)])
+
     def store(self, seq: int, row: int, state: Sequence[torch.Tensor]) -> None:
         i = self._seq(seq)
-        kept = row if self.rows.keep[i] else 0
-        for p, x in zip(self.pool, state, strict=True):
-            p[self.rows.slots[i], kept].copy_(x)
+        a, b = self.rows.spans[i]
+        places = [(slot, kept) for r, slot, kept in
+                  (self.rows.snaps[i] if self.rows.snaps else ()) if r == row]
+        if self.rows.keep[i] or row == b - a - 1:
+            places.append((self.rows.slots[i], row if self.rows.keep[i] else 0))
+        for slot, kept in places:
+            for p, x in zip(self.pool, state, strict=True):
+                p[slot, kept].copy_(x)
 
 
 class ZeroStates:
@@ -112,6 +138,9 @@ class ZeroStates:
 
     def keeps_every_row(self, seq: int) -> bool:
         return False
+
+    def snapshot_rows(self, seq: int) -> tuple[int, ...]:
+        return ()
 
     def store(self, seq: int, row: int, state: Sequence[torch.Tensor]) -> None:
         pass

@@ -1,0 +1,222 @@
+"""Prefix caching for hybrid families (Qwen3.5, Qwen3-Next; DESIGN 4.9, 4.12): the GDN
+states at block boundaries are snapshotted, a hit starts from the snapshot, output is
+that of caching off (greedy and seeded, plain and speculative, under eviction), a second
+request computes only its uncached rows, and every snapshot equals the state of a
+from-scratch prefill of its prefix: none saw a rejected draft."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from chainspec.engine.kv_budget import KVBudget
+from chainspec.engine.prefix_cache import chain_hashes
+from chainspec.engine.request import StopConditions
+from chainspec.engine.sampling import SamplingParams
+from chainspec.engine.schedule import WorkKind
+from chainspec.engine.state_snapshots import StateSnapshots
+from chainspec.models.attention import AttnBatch, PagedAttention, SeqRows
+from chainspec.models.cache_spec import StateSpec
+from chainspec.models.kv_cache import ModelKVCache
+from chainspec.models.loader import load_draft_model, load_target
+from tests.unit.engine_fixtures import engine, outputs
+from tests.unit.families.test_qwen3_5_engine import PartlyRightClient
+
+BS = 4
+VOCAB = 24  # small: drafts sometimes hit
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def models(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"{request.param}_hybrid_cache")
+    if request.param == "qwen3_5":
+        from tests.unit.families.qwen3_5_checkpoint import write_checkpoint
+        write_checkpoint(path, seed=5, vocab_size=VOCAB)
+    else:
+        from tests.unit.families.qwen3_next_checkpoint import write_checkpoint
+        write_checkpoint("qwen3_next", path, seed=5, vocab_size=VOCAB)
+    return load_target(path), load_draft_model(path)
+
+
+def _kv(blocks: int, caching: bool, snapshots: int | None = None) -> KVBudget:
+    return KVBudget(block_size=BS, blocks=blocks, prefix_caching=caching,
+                    state_snapshots=snapshots)
+
+
+def _shared_prompts(n: int, prefix_len: int = 18, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(VOCAB) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))]
+            for _ in range(n)]
+
+
+def _evictions(snapshots: StateSnapshots) -> list[int]:
+    """Counts snapshots forgotten to make room (a reserve with no free place)."""
+    evicted, reserve = [], snapshots.reserve
+
+    def counting():
+        if not snapshots._free and len(snapshots):
+            evicted.append(1)
+        return reserve()
+    snapshots.reserve = counting
+    return evicted
+
+
+def test_a_hybrid_model_caches_prefixes_only_with_snapshots(models):
+    target, draft = models
+    on = engine(target, k=1, kv=_kv(40, True))
+    assert on.allocator.cache is not None and on.claims.snapshots is not None
+    assert on.claims.snapshots.count == 8 * 2  # default: max_seqs x kept rows (K+1)
+    none = engine(target, kv=_kv(40, True, snapshots=0))
+    assert none.allocator.cache is None and none.claims.snapshots is None
+    off = engine(target, kv=_kv(40, False))
+    assert off.allocator.cache is None and off.claims.snapshots is None
+
+
+CASES = [  # (K, temperature); K None: plain decoding
+    (None, 0.0), (None, 0.8), (1, 0.0), (2, 0.0), (3, 0.0), (2, 0.8), (3, 0.8)]
+
+
+@pytest.mark.parametrize(("k", "temperature"), CASES)
+def test_outputs_equal_with_caching_on_and_off_under_eviction(models, k, temperature):
+    """Small KV pools and a snapshot pool of 12: blocks and snapshots are evicted along the
+    way; greedy and seeded sampling give the tokens of caching off."""
+    target, draft = models
+    batch = _shared_prompts(8)
+    got = {}
+    for caching in (False, True):
+        eng = engine(target, draft if k else None, k=k or 1, max_seqs=2, chunk=7,
+                     kv=_kv(26, caching, 12), drafter_kv=_kv(60, caching),
+                     sampled_drafts=False)
+        if caching:
+            snaps = eng.claims.snapshots
+            evicted = _evictions(snaps)
+        got[caching] = outputs(eng, batch, 12, temperature)[0]
+    assert got[True] == got[False]
+    assert snaps.loaded > 0 and eng.allocator.cache.hits > 0  # hits started from snapshots
+    assert evicted  # the snapshot pool was too small to keep every boundary
+    assert eng.allocator.num_used == 0
+
+
+class _Rows:
+    """An observer that counts the prefill rows the target computes per request."""
+
+    def __init__(self) -> None:
+        self.prefill: dict[str, int] = {}
+
+    def request_added(self, request_id, prompt_len, arrival_s) -> None:
+        self.prefill[request_id] = 0
+
+    def step_done(self, step) -> None:
+        for w in step.work:
+            if w.kind is WorkKind.PREFILL:
+                self.prefill[w.request.request_id] += w.num_rows
+
+
+def _run_one(eng, rid: str, prompt: list[int]) -> list[int]:
+    eng.add_request(rid, prompt, SamplingParams(temperature=0.0), StopConditions(max_tokens=6))
+    got = []
+    while eng.has_work:
+        for out in eng.step():
+            got.extend(out.new_tokens)
+    return got
+
+
+def scratch_state(target, tokens: list[int]) -> list[torch.Tensor]:
+    """Every recurrent layer's state parts after a prefill of `tokens` from zero."""
+    specs = target.cache_specs()
+    blocks = -(-len(tokens) // BS)
+    cache = ModelKVCache(specs, {None: blocks}, BS, 1, 1)
+    batch = AttnBatch.build([SeqRows(list(range(blocks)), 0, len(tokens), {}, 0, -1, False)],
+                            BS, with_states=True)
+    with torch.no_grad():
+        target(torch.tensor(tokens), batch.positions, PagedAttention(cache, batch))
+    return [t[0, 0].clone() for i, s in enumerate(specs) if isinstance(s, StateSpec)
+            for t in cache.state(i)]
+
+
+def _slot_state(snapshots: StateSnapshots, slot: int, row: int) -> list[torch.Tensor]:
+    return [p[slot, row].clone() for p in snapshots.parts]
+
+
+def _assert_states_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [None, 3])
+def test_a_second_request_computes_only_its_uncached_rows(models, k):
+    target, draft = models
+    eng = engine(target, draft if k else None, k=k or 1, kv=_kv(200, True),
+                 drafter_kv=_kv(200, True))
+    eng.observer = rows = _Rows()
+    snaps = eng.claims.snapshots
+    loads = []
+    load = snaps.load
+
+    def spy(h, slot):
+        load(h, slot)
+        loads.append((h, _slot_state(snaps, slot, 0)))
+    snaps.load = spy
+    prefix = [(7 * i + 3) % VOCAB for i in range(40)]  # 10 full blocks
+    _run_one(eng, "a", prefix + [5, 6, 7])
+    assert rows.prefill["a"] == 43
+    second = prefix + [8, 9, 10, 11, 12]
+    got = _run_one(eng, "b", second)
+    # plain: every shared block (40 rows); with a drafter the last one is recomputed
+    # (its MTP KV reads the K tokens after it), so the hit ends at block 9's snapshot
+    hit = 40 if k is None else 36
+    assert eng.allocator.cache.hits == hit and rows.prefill["b"] == len(second) - hit
+    assert got == _run_one(engine(target, draft if k else None, k=k or 1,
+                                  kv=_kv(200, False)), "b", second)
+    (h, state), = loads
+    assert h == chain_hashes(second, BS, [])[hit // BS - 1]
+    _assert_states_close(state, scratch_state(target, second[:hit]))
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_every_snapshot_equals_a_from_scratch_prefill_of_its_prefix(models, k):
+    """Drafts right up to a varying position (every accept length occurs), windows that
+    cross block ends: every snapshot, prompt or generated, is the state after its prefix
+    alone -- a GDN state that never saw the rejected drafts."""
+    target, _ = models
+    ps = _shared_prompts(4, prefix_len=9, seed=3)
+    truth = outputs(engine(target, kv=_kv(200, False)), ps, 16)[0]
+    client = PartlyRightClient(ps, truth, k)
+    eng = engine(target, k=k, client=client, kv=_kv(200, True, 400), sampled_drafts=False)
+    snaps = eng.claims.snapshots
+    verify_rows = []
+    save = snaps.save
+
+    def spy(h, slot, row):
+        verify_rows.append(row)
+        save(h, slot, row)
+    snaps.save = spy
+    got, result = outputs(eng, ps, 16)
+    assert got == truth
+    drafted = sum(c.stats.draft_tokens for c in result.completions)
+    accepted = sum(c.stats.accepted_tokens for c in result.completions)
+    assert 0 < accepted < drafted  # drafts were rejected, and accepted
+    assert any(r > 0 for r in verify_rows)  # block ends after accepted drafts
+    checked = set()
+    for prompt, out in zip(ps, got, strict=True):
+        seq = prompt + out
+        for j, h in enumerate(chain_hashes(seq, BS, [])):
+            if not snaps.holds(h) or h in checked:
+                continue
+            slot, row = snaps.place(snaps._by_hash[h])
+            _assert_states_close(_slot_state(snaps, slot, row),
+                                 scratch_state(target, seq[:(j + 1) * BS]))
+            checked.add(h)
+    assert len(checked) == len(snaps) > len(ps) * 4  # prompt and generated blocks alike
