@@ -220,3 +220,21 @@ def test_every_snapshot_equals_a_from_scratch_prefill_of_its_prefix(models, k):
                                  scratch_state(target, seq[:(j + 1) * BS]))
             checked.add(h)
     assert len(checked) == len(snaps) > len(ps) * 4  # prompt and generated blocks alike
+
+
+def test_blocks_filled_by_accepted_drafts_are_cached_under_their_true_hashes():
+    """A verify window's accepted drafts are appended after its rows are computed: a
+    block they complete is cached (and snapshotted) only with its tokens known, so
+    every cached hash is one of the sequence's own chain (an attention-only pair whose
+    drafts often hit: vocabulary 4)."""
+    from tests.unit.engine_fixtures import tied_pair
+    target, draft = tied_pair(vocab=4)
+    eng = engine(target, draft, k=3, kv=_kv(200, True), drafter_kv=_kv(200, True))
+    prompt = [i % 4 for i in range(1, 20)]
+    (out,), result = outputs(eng, [prompt], 30)
+    assert result.completions[0].stats.accepted_tokens > 5
+    seq = prompt + out
+    chain = chain_hashes(seq, BS, [])
+    cache = eng.allocator.cache
+    assert [cache.lookup(h) is not None for h in chain] == [True] * (len(seq) // BS)
+    assert cache.num_cached == len(chain)
