@@ -32,6 +32,15 @@ def _engine(demo_models, k: int, client=None, **config) -> VerifierEngine:
     return eng
 
 
+def _full_k(demo_models, **ahead) -> LocalDraftClient:
+    """An in-process drafter whose look-aheads always run their second round (full K
+    drafts for the bonus guesses too), whatever the timing."""
+    opts, models = demo_models
+    return LocalDraftClient(DrafterEngine(models.draft, DrafterConfig(
+        num_steps=3, max_seqs=8, max_len=opts.max_len, ahead_second_round=True,
+        **{"ahead_rows": 10_000, **ahead})))
+
+
 def _plain(demo_models, prompts):
     opts, models = demo_models
     eng = build_verifier(models, opts, speculative=False)
@@ -42,7 +51,8 @@ def _plain(demo_models, prompts):
 def test_hits_verify_the_look_ahead_drafts_and_tell_the_drafter(demo_models, heldout_prompts,
                                                                  groups, monkeypatch) -> None:
     prompts = heldout_prompts[:4]
-    eng = _engine(demo_models, 3, draft_ahead=True, groups=groups)
+    eng = _engine(demo_models, 3, client=_full_k(demo_models), draft_ahead=True,
+                  groups=groups)
     sent, verified = [], []
     submit = eng.drafter.submit
     monkeypatch.setattr(eng.drafter, "submit", lambda ups: (sent.extend(ups), submit(ups)))
@@ -106,7 +116,7 @@ def test_metrics_count_hits_misses_and_look_ahead_acceptance(demo_models,
     from chainspec.metrics.verifier import VerifierMetrics
 
     vm = VerifierMetrics("demo", 3)
-    eng = _engine(demo_models, 3, draft_ahead=True)
+    eng = _engine(demo_models, 3, client=_full_k(demo_models), draft_ahead=True)
     eng.observer = vm
     verified = []
     run_verify = verifier_module.run_verify
@@ -134,10 +144,7 @@ def test_metrics_count_hits_misses_and_look_ahead_acceptance(demo_models,
 
 
 def _hit_rate(demo_models, prompts, **ahead) -> tuple[VerifierEngine, float]:
-    opts, models = demo_models
-    client = LocalDraftClient(DrafterEngine(models.draft, DrafterConfig(
-        num_steps=3, max_seqs=8, max_len=opts.max_len, **ahead)))
-    eng = _engine(demo_models, 3, client=client, draft_ahead=True)
+    eng = _engine(demo_models, 3, client=_full_k(demo_models, **ahead), draft_ahead=True)
     for p in prompts:  # one at a time: the budget is the sequence's alone
         got = run_to_completion(eng, [p], GREEDY, STOP).completions[0].tokens
         assert got == _plain(demo_models, [p])[0]
@@ -146,7 +153,8 @@ def _hit_rate(demo_models, prompts, **ahead) -> tuple[VerifierEngine, float]:
 
 def test_more_hypotheses_hit_more_often(demo_models, heldout_prompts) -> None:
     prompts = heldout_prompts[:3]
-    # one hypothesis: the budget holds only the likeliest window (2 history + 4 rows)
+    # one hypothesis: the budget holds no correction, and one bonus guess (2 history
+    # rows + 4)
     one, single = _hit_rate(demo_models, prompts, ahead_fanout=1, ahead_rows=6)
     many, multi = _hit_rate(demo_models, prompts, ahead_fanout=2, ahead_rows=10_000)
     assert set(one.ahead_rank_hits) == {0}

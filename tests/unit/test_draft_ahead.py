@@ -35,13 +35,14 @@ def _ahead(upd: SeqUpdate, verifying: tuple[int, ...] = ()) -> SeqUpdate:
                      look_ahead=True, verifying=verifying)
 
 
-@pytest.mark.parametrize("chain", [True, False])
+@pytest.mark.parametrize("chain,second", [(True, True), (False, False), (True, False)])
 @pytest.mark.parametrize("k,modules", [(2, 2), (3, 3), (3, 1), (4, 2)])
-def test_exact_rounds_equal_reference_after_look_aheads(k: int, modules: int,
-                                                         chain: bool) -> None:
+def test_exact_rounds_equal_reference_after_look_aheads(k: int, modules: int, chain: bool,
+                                                         second: bool) -> None:
     rng = random.Random(k * 7 + modules)
     torch.manual_seed(k)
-    engine = _engine(k, modules, chain, graph_batch=2)  # 3 sequences: eager and buffers
+    engine = _engine(k, modules, chain, graph_batch=2,  # 3 sequences: eager and buffers
+                     ahead_second_round=second)
     free = engine.allocator.num_free
     seqs = {i: Committed(rng, rng.randint(1, 12)) for i in range(3)}
     updates = [_ahead(prefill(i, s)) for i, s in seqs.items()]
@@ -57,7 +58,7 @@ def test_exact_rounds_equal_reference_after_look_aheads(k: int, modules: int,
             verifying = tuple(rng.randrange(VOCAB) for _ in range(rng.randint(0, k)))
             updates.append(_ahead(SeqUpdate(seq_id, upd.start, upd.tokens, upd.hidden),
                                   verifying))
-    assert entries > 30 and engine.ahead_rounds == 10
+    assert entries > 30 and engine.ahead_rounds == 10 * (1 + second)
     engine.release(list(seqs))
     assert engine.allocator.num_free == free
 
@@ -70,15 +71,18 @@ def _round_then_plan(k: int, chain: bool, verifying: tuple[int, ...], **ahead):
     upd = seq.extend(rng, 2)
     update = _ahead(SeqUpdate(0, upd.start, upd.tokens, upd.hidden), verifying)
     (exact,) = engine.update([update])
-    return engine, seq, update, exact, engine.plan_ahead()
+    entries = engine.look_ahead()
+    assert [(e.seq_id, e.outcome) for e in entries] == [(0, h.outcome)
+                                                         for h in engine.ahead_plan]
+    return engine, seq, update, exact, engine.ahead_plan, entries
 
 
 @pytest.mark.parametrize("chain", [True, False])
 @pytest.mark.parametrize("verifying", [(), (5, 17)])
 def test_hypotheses_come_from_the_drafters_own_distributions(chain, verifying) -> None:
     k, fanout = 3, 2
-    engine, seq, _, exact, hyps = _round_then_plan(k, chain, verifying, ahead_fanout=fanout,
-                                                   ahead_rows=10_000)
+    engine, seq, _, exact, hyps, _ = _round_then_plan(
+        k, chain, verifying, ahead_fanout=fanout, ahead_rows=10_000, ahead_second_round=True)
     drafts, logits, states = reference_round(engine.model, seq.tokens, seq.hidden, k, chain)
     assert exact.tokens.tolist() == drafts
     verify = list(verifying) or drafts
@@ -109,9 +113,8 @@ def test_hypotheses_come_from_the_drafters_own_distributions(chain, verifying) -
 @pytest.mark.parametrize("verifying", [(), (5, 17)])
 def test_entry_equals_an_exact_update_with_its_outcome(chain, verifying) -> None:
     k = 3
-    engine, seq, update, _, hyps = _round_then_plan(k, chain, verifying, ahead_rows=10_000)
-    entries = engine.draft_hypotheses(hyps)
-    assert [e.outcome for e in entries] == [h.outcome for h in hyps]
+    engine, seq, update, _, hyps, entries = _round_then_plan(
+        k, chain, verifying, ahead_rows=10_000, ahead_second_round=True)
     base = len(seq.tokens) - 1
     for h, entry in zip(hyps, entries, strict=True):
         assert entry.base == base and entry.drafts.position == base + len(h.outcome)
@@ -156,14 +159,36 @@ def test_look_ahead_leaves_the_real_cache_and_later_drafts_untouched() -> None:
             ups.append(SeqUpdate(i, u.start, u.tokens, u.hidden))
 
 
-def test_budget_bounds_rows_and_keeps_the_likeliest() -> None:
+@pytest.mark.parametrize("chain", [True, False])
+def test_one_round_look_ahead_drafts_the_bonus_guess_in_its_bonus_pass(chain) -> None:
+    """Without a second round, (m, b) comes from the bonus pass itself: b its step 1,
+    its K-1 drafts steps 2..K; the corrections keep their full K drafts."""
     k = 3
-    _, _, _, _, every = _round_then_plan(k, True, (), ahead_fanout=3, ahead_rows=10_000)
-    hist = k - 1  # history rows of each window (the prefix is long enough)
-    budget = 3 * (hist + 2)
-    _, _, _, _, few = _round_then_plan(k, True, (), ahead_fanout=3, ahead_rows=budget)
-    assert sum(hist + len(h.outcome) for h in few) <= budget < \
-        sum(hist + len(h.outcome) for h in every)
+    engine, seq, _, exact, hyps, entries = _round_then_plan(
+        k, chain, (), ahead_rows=10_000, ahead_second_round=False)
+    drafts, _, states = reference_round(engine.model, seq.tokens, seq.hidden, k, chain)
+    ahead, _, _ = reference_round(engine.model, seq.tokens + drafts,
+                                  torch.cat([seq.hidden, states]), k, chain)
+    short = [e for e in entries if e.drafts.tokens.shape[0] == k - 1]
+    assert [(e.outcome, e.drafts.tokens.tolist()) for e in short] == \
+        [((*drafts, ahead[0]), ahead[1:])]
+    assert all(len(e.outcome) <= k for e in entries if e not in short)
+    assert len(entries) == 1 + k * engine.config.ahead_fanout
+
+
+def test_budget_bounds_rows_and_keeps_the_likeliest() -> None:
+    k, hist = 3, 2  # history rows of each window (the prefix is long enough)
+    _, _, _, _, every, _ = _round_then_plan(k, True, (), ahead_fanout=3, ahead_rows=10_000,
+                                            ahead_second_round=True)
+    budget = (hist + k) + 2 * (hist + 2)  # the bonus pass and two short corrections
+    _, _, _, _, few, _ = _round_then_plan(k, True, (), ahead_fanout=3, ahead_rows=budget,
+                                          ahead_second_round=True)
+
+    def rows(hs):
+        return sum(hist + len(h.outcome) for h in hs)
+    fixes = [h for h in few if h.accepted < k]
+    assert (hist + k) + rows(fixes) <= budget and rows([h for h in few if h not in fixes]) \
+        <= budget < rows(every)
     assert {h.outcome for h in few} < {h.outcome for h in every}
     assert few[0].outcome == every[0].outcome, "the likeliest verdict always fits"
     assert [h.rank for h in few] == list(range(len(few)))
@@ -173,7 +198,7 @@ def test_budget_bounds_rows_and_keeps_the_likeliest() -> None:
 def test_sampled_entry_carries_the_q_its_drafts_were_drawn_from() -> None:
     k, temp = 3, 0.8
     rng = random.Random(2)
-    engine = _engine(k, 2, True, ahead_rows=10_000)
+    engine = _engine(k, 2, True, ahead_rows=10_000, ahead_second_round=True)
     top_k = engine.config.top_k  # the support size the drafter reports
     seq = Committed(rng, 9)
     sampling = DraftSampling(temp, top_k, seed=7)
@@ -181,9 +206,12 @@ def test_sampled_entry_carries_the_q_its_drafts_were_drawn_from() -> None:
     upd = seq.extend(rng, 2)
     engine.update([SeqUpdate(0, upd.start, upd.tokens, upd.hidden, True, sampling,
                              look_ahead=True)])
-    hyps = engine.plan_ahead()
-    entries = engine.draft_hypotheses(hyps)
-    for h, entry in zip(hyps, entries, strict=True):
+    entries = engine.look_ahead()
+    hyps = engine.ahead_plan
+    # NOTE: the bonus pass's own (sampled) guess may be no top-F one: it keeps K-1 drafts
+    full = [(h, e) for h, e in zip(hyps, entries, strict=True) if e.drafts.tokens.shape == (k,)]
+    assert len(full) >= len(entries) - 1 > 0
+    for h, entry in full:
         _, logits, _ = reference_round(engine.model, seq.tokens + list(h.outcome),
                                        torch.cat([seq.hidden, h.hidden]), k, True,
                                        forced=entry.drafts.tokens.tolist())

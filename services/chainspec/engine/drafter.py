@@ -28,13 +28,17 @@ from chainspec.engine.graph_runner import GraphRunner, StaticDraftBuffers, defau
 from chainspec.engine.kv_budget import KVBudget, model_cache
 from chainspec.engine.lookahead import (
     AcceptRates,
+    AheadClock,
     AheadSource,
     Hypothesis,
     ahead_entry,
+    bonus_entry,
     bonus_rows,
+    corrections,
+    full_accepts,
     history_window,
-    hypotheses,
     hypothesis_window,
+    ranked,
     select,
 )
 from chainspec.engine.observer import DrafterObserver, DraftRoundRecord
@@ -59,6 +63,7 @@ class DrafterConfig:
     # of hypothesis windows per look-ahead round (bounds its time beside a verify step)
     ahead_fanout: int = 2
     ahead_rows: int = 48
+    ahead_second_round: bool | None = None  # None: when it fits in the verifier's step
     kv: KVBudget = field(default_factory=KVBudget)  # paged KV cache size
 
     def __post_init__(self) -> None:
@@ -103,6 +108,8 @@ class DrafterEngine:
         self._ahead: list[AheadSource] = []  # asked for by the last update, not yet run
         self.ahead_rounds = 0
         self.accept_rates = AcceptRates(c.num_steps)  # ranks look-ahead hypotheses
+        self.ahead_clock = AheadClock()  # does a second look-ahead round fit?
+        self.ahead_plan: list[Hypothesis] = []  # behind the last look-ahead's entries
         self._observed_prefix = (0, 0)  # prefix-cache counters the observer has seen
         graph_batch = min(c.max_graph_batch, c.max_seqs)
         buffers = StaticDraftBuffers(graph_batch, c.num_steps, self.hidden_size, c.max_len,
@@ -133,6 +140,8 @@ class DrafterEngine:
     def update(self, updates: Sequence[SeqUpdate]) -> list[SeqOutcome]:
         """Apply updates and draft. Bad updates fail alone; the others proceed."""
         started = time.perf_counter()
+        if any(u.look_ahead for u in updates):
+            self.ahead_clock.update_started(started)
         outcomes: list[SeqOutcome | None] = [None] * len(updates)
         accepted: list[tuple[int, SeqUpdate, Window]] = []
         seen: set[int] = set()
@@ -170,40 +179,83 @@ class DrafterEngine:
         """Draft-ahead entries (lookahead.py) for `todo`, by default those the last
         `update` asked for; call after answering that update. Sources whose sequence
         moved on or left since are skipped. Changes no sequence state: every window runs
-        on scratch blocks (copy-on-write), freed before returning."""
-        return self.draft_hypotheses(self.plan_ahead(todo))
+        on scratch blocks (copy-on-write), freed before returning. `ahead_plan` holds
+        the hypotheses behind the entries, in the same order (best first per sequence).
 
-    @torch.inference_mode()
-    def plan_ahead(self, todo: list[AheadSource] | None = None) -> list[Hypothesis]:
-        """The bonus pass, then the hypotheses that fit the row budget, best first."""
+        Round 1: the bonus pass and the corrections (a < m); round 2, if it fits in the
+        verifier's step (`AheadClock`): the full-K drafts of the top bonus guesses
+        (a = m). Without it, the bonus pass's own row stands for a = m (K-1 drafts)."""
         todo = self.pending_ahead() if todo is None else todo
         K, c = self.config.num_steps, self.config
         todo = [src for src in todo if src.seq_id in self.seqs and
                 self.seqs[src.seq_id].next_start == src.base and
                 src.base + src.verify.shape[0] + 1 + K <= c.max_len]
+        self.ahead_plan = []
         if not todo or self.cache.has_states:  # NOTE: scratch copies paged KV only
             return []
+        started = time.perf_counter()
+        first = self._first_round(todo)
+        if first is None:
+            return []
+        plan, entries, finals = first
+        if self.ahead_clock.second_round_fits(started, time.perf_counter(),
+                                              c.ahead_second_round):
+            second = self.draft_hypotheses(finals)  # NOTE: [] if the pool is short
+            done = {(e.seq_id, e.outcome) for e in second}
+            keep = [i for i, e in enumerate(entries) if (e.seq_id, e.outcome) not in done]
+            plan = [plan[i] for i in keep] + (finals if second else [])
+            entries = [entries[i] for i in keep] + second
+        order = sorted(range(len(plan)), key=lambda i: (plan[i].src.seq_id, -plan[i].prob))
+        self.ahead_plan = ranked([plan[i] for i in order])
+        return [entries[i] for i in order]
+
+    def _first_round(self, todo: list[AheadSource]):
+        """Round 1: (its hypotheses, their entries, the a = m hypotheses for round 2)."""
+        K, c = self.config.num_steps, self.config
+        chains = torch.stack([src.chain for src in todo])  # [S, K, H]: g[k] at row N'-1
+        step_logits = torch.stack([self.model.logits(k + 1, chains[:, k])
+                                   for k in range(K)], 1)  # [S, K, V]
+        lengths = {src.seq_id: self.accept_rates.lengths(src.verify.shape[0])
+                   for src in todo}
+        fixes = [h for row, src in enumerate(todo)
+                 for h in corrections(src, step_logits[row], c.ahead_fanout,
+                                      lengths[src.seq_id])]
         windows = []
         for src in todo:
             st = self.seqs[src.seq_id]
             hidden, tokens = bonus_rows(src)
             windows.append(history_window((), src.base, hidden, tokens, st.hist_hidden,
                                           st.hist_tokens, src))
-        out = self._run_scratch(windows, [src.seq_id for src in todo])
-        if out is None:
-            return []
-        chains = torch.stack([src.chain for src in todo])  # [S, K, H]: g[k] at row N'-1
-        step_logits = torch.stack([self.model.logits(k + 1, chains[:, k])
-                                   for k in range(K)], 1)  # [S, K, V]
-        bonus = self.model.logits(1, out.chain[:, 0])  # [S, V]: x[N'+m+1]
-        candidates = []
-        for row, src in enumerate(todo):
-            candidates += hypotheses(src, step_logits[row], bonus[row], out.chain[row, 0],
-                                     c.ahead_fanout,
-                                     self.accept_rates.lengths(src.verify.shape[0]))
         hist = {src.seq_id: windows[i].num_rows - src.verify.shape[0]
                 for i, src in enumerate(todo)}
-        return select(candidates, c.ahead_rows, hist)
+        spent = sum(w.num_rows for w in windows)
+        covered = {src.seq_id: lengths[src.seq_id][-1] / 2 for src in todo}
+        fixes = select(fixes, c.ahead_rows, hist, covered, spent)
+        windows += [self._hypothesis_window(h) for h in fixes]
+        out = self._run_scratch(windows, [src.seq_id for src in todo] +
+                                [h.src.seq_id for h in fixes])
+        if out is None:
+            return None
+        self.ahead_rounds += 1
+        S = len(todo)
+        bonus = self.model.logits(1, out.chain[:S, 0])  # [S, V]: x[N'+m+1]
+        plan, entries, finals = [], [], []
+        for row, src in enumerate(todo):
+            entry = bonus_entry(src, out, row, src.temperature > 0)
+            p_b = float(bonus[row].float().softmax(-1)[entry.outcome[-1]])
+            plan.append(Hypothesis(src, entry.outcome, src.chain[:src.verify.shape[0]],
+                                   lengths[src.seq_id][-1] * p_b))
+            entries.append(entry)
+            finals += full_accepts(src, bonus[row], out.chain[row, 0], c.ahead_fanout,
+                                   lengths[src.seq_id][-1])
+        plan += fixes
+        entries += [ahead_entry(h, out, S + i, h.src.temperature > 0)
+                    for i, h in enumerate(fixes)]
+        return plan, entries, select(finals, c.ahead_rows, hist, {s: 0.0 for s in hist})
+
+    def _hypothesis_window(self, h: Hypothesis) -> Window:
+        st = self.seqs[h.src.seq_id]
+        return hypothesis_window(h, (), st.hist_hidden, st.hist_tokens)
 
     @torch.inference_mode()
     def draft_hypotheses(self, hyps: list[Hypothesis]) -> list[DraftAhead]:
@@ -212,9 +264,8 @@ class DrafterEngine:
                 self.seqs[h.src.seq_id].next_start == h.src.base]
         if not hyps:
             return []
-        windows = [hypothesis_window(h, (), self.seqs[h.src.seq_id].hist_hidden,
-                                     self.seqs[h.src.seq_id].hist_tokens) for h in hyps]
-        out = self._run_scratch(windows, [h.src.seq_id for h in hyps])
+        out = self._run_scratch([self._hypothesis_window(h) for h in hyps],
+                                [h.src.seq_id for h in hyps])
         if out is None:
             return []
         self.ahead_rounds += 1

@@ -116,13 +116,10 @@ def bonus_rows(src: AheadSource) -> tuple[torch.Tensor, torch.Tensor]:
     return src.chain[:m], src.verify
 
 
-def hypotheses(src: AheadSource, step_logits: torch.Tensor, bonus_logits: torch.Tensor,
-               bonus_state: torch.Tensor, fanout: int, lengths: list[float]
-               ) -> list[Hypothesis]:
-    """Every (a, b) with b among the top `fanout` of its distribution, unranked.
-    step_logits [K, V]: the drafter's steps at row N'-1; bonus_logits [V] and bonus_state
-    [H]: step 1 at the bonus pass's last row (x[N'+m+1]) and its g[1]; lengths [m + 1]:
-    P(accept length = a)."""
+def corrections(src: AheadSource, step_logits: torch.Tensor, fanout: int,
+                lengths: list[float]) -> list[Hypothesis]:
+    """(a, b) for a < m, b among the top `fanout` alternatives to v_{a+1}, unranked.
+    step_logits [K, V]: the drafter's steps at row N'-1; lengths [m + 1]: P(a)."""
     m = src.verify.shape[0]
     q = step_logits[:m].float().softmax(-1)  # [m, V]
     verify = src.verify.tolist()
@@ -134,33 +131,47 @@ def hypotheses(src: AheadSource, step_logits: torch.Tensor, bonus_logits: torch.
         top = alt.topk(fanout)
         for p, b in zip(top.values.tolist(), top.indices.tolist(), strict=True):
             out.append(Hypothesis(src, (*verify[:a], b), src.chain[:a + 1], lengths[a] * p))
-    top = bonus_logits.float().softmax(-1).topk(fanout)
-    hidden = torch.cat([src.chain[:m], bonus_state.view(1, -1).to(src.chain)])
-    for p, b in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-        out.append(Hypothesis(src, (*verify, b), hidden, lengths[m] * p))
     return out
 
 
-def select(candidates: list[Hypothesis], budget: int, hist_rows: dict[int, int]
-           ) -> list[Hypothesis]:
+def full_accepts(src: AheadSource, bonus_logits: torch.Tensor, bonus_state: torch.Tensor,
+                 fanout: int, p_all: float) -> list[Hypothesis]:
+    """(m, b) for b among the top `fanout` bonus guesses, unranked. bonus_logits [V] and
+    bonus_state [H]: step 1 at the bonus pass's last row (x[N'+m+1]) and its g[1];
+    p_all: P(a = m)."""
+    m = src.verify.shape[0]
+    top = bonus_logits.float().softmax(-1).topk(fanout)
+    hidden = torch.cat([src.chain[:m], bonus_state.view(1, -1).to(src.chain)])
+    verify = src.verify.tolist()
+    return [Hypothesis(src, (*verify, b), hidden, p_all * p)
+            for p, b in zip(top.values.tolist(), top.indices.tolist(), strict=True)]
+
+
+def select(candidates: list[Hypothesis], budget: int, hist_rows: dict[int, int],
+           covered: dict[int, float] | None = None, spent: int = 0) -> list[Hypothesis]:
     """The hypotheses to draft, each ranked within its sequence (likeliest first).
 
     A step waits for no drafts only if every sequence in it hits, so the aim is the
     probability that all hit, prod_s C_s (C_s: the covered probability of sequence s).
-    Every sequence gets its likeliest hypothesis (the cost of a one-hypothesis
-    look-ahead); more follow by the gain in log C_s per row while `budget` rows (all
-    windows, history rows included) last. `hist_rows`: history rows per sequence."""
+    Without `covered`, every sequence gets its likeliest hypothesis (the cost of a
+    one-hypothesis look-ahead); more follow by the gain in log C_s per row while
+    `budget` rows (all windows, history rows included; `spent` of them already) last.
+    `hist_rows`: history rows per sequence."""
     per_seq: dict[int, list[Hypothesis]] = {}
     for h in sorted(candidates, key=lambda h: -h.prob):
         per_seq.setdefault(h.src.seq_id, []).append(h)
-    chosen = {s: [hs[0]] for s, hs in per_seq.items()}
-    covered = {s: hs[0].prob for s, hs in per_seq.items()}
 
     def rows(h: Hypothesis) -> int:
         return hist_rows[h.src.seq_id] + len(h.outcome)
-    spent = sum(rows(hs[0]) for hs in chosen.values())
-    heap = [(-_gain(covered[s], hs[1], rows(hs[1])), s, 1) for s, hs in per_seq.items()
-            if len(hs) > 1]
+    if covered is None:
+        chosen = {s: [hs[0]] for s, hs in per_seq.items()}
+        covered = {s: hs[0].prob for s, hs in per_seq.items()}
+        spent += sum(rows(hs[0]) for hs in chosen.values())
+        first = 1
+    else:
+        chosen, covered, first = {s: [] for s in per_seq}, dict(covered), 0
+    heap = [(-_gain(covered.get(s, 0.0), hs[first], rows(hs[first])), s, first)
+            for s, hs in per_seq.items() if len(hs) > first]
     heapq.heapify(heap)
     while heap:
         _, s, i = heapq.heappop(heap)
@@ -168,16 +179,55 @@ def select(candidates: list[Hypothesis], budget: int, hist_rows: dict[int, int]
         if spent + rows(h) <= budget:
             spent += rows(h)
             chosen[s].append(h)
-            covered[s] += h.prob
+            covered[s] = covered.get(s, 0.0) + h.prob
         if i + 1 < len(per_seq[s]):
             nxt = per_seq[s][i + 1]
-            heapq.heappush(heap, (-_gain(covered[s], nxt, rows(nxt)), s, i + 1))
+            heapq.heappush(heap, (-_gain(covered.get(s, 0.0), nxt, rows(nxt)), s, i + 1))
     return [Hypothesis(h.src, h.outcome, h.hidden, h.prob, rank)
             for hs in chosen.values() for rank, h in enumerate(hs)]
 
 
+def ranked(hyps: list[Hypothesis]) -> list[Hypothesis]:
+    """`hyps` (grouped by sequence, best first) with their ranks within the sequence."""
+    out, seen = [], {}
+    for h in hyps:
+        rank = seen[h.src.seq_id] = seen.get(h.src.seq_id, -1) + 1
+        out.append(Hypothesis(h.src, h.outcome, h.hidden, h.prob, rank))
+    return out
+
+
 def _gain(covered: float, h: Hypothesis, rows: int) -> float:
-    return math.log1p(h.prob / max(covered, 1e-12)) / rows
+    if covered <= 0.0:
+        return math.inf if h.prob > 0 else 0.0
+    return math.log1p(h.prob / covered) / rows
+
+
+class AheadClock:
+    """Whether a second look-ahead round fits: it must end before the verifier's step
+    does, or the next exact update waits behind it. The step's length is taken as the
+    interval between updates that ask for look-aheads (an exponential average)."""
+
+    def __init__(self, share: float = 0.7, smoothing: float = 0.2) -> None:
+        self.share = share  # of the step the look-ahead may end by
+        self.smoothing = smoothing
+        self.period_s: float | None = None
+        self._last: float | None = None
+        self._update_started = 0.0
+
+    def update_started(self, now: float) -> None:
+        if self._last is not None:
+            gap = now - self._last
+            self.period_s = gap if self.period_s is None else \
+                self.period_s + self.smoothing * (gap - self.period_s)
+        self._last = self._update_started = now
+
+    def second_round_fits(self, started: float, now: float, forced: bool | None) -> bool:
+        """`started`..`now`: the first round; assumed to take as long again."""
+        if forced is not None:
+            return forced
+        if self.period_s is None:
+            return False
+        return (now - self._update_started) + (now - started) <= self.share * self.period_s
 
 
 def hypothesis_window(h: Hypothesis, blocks: tuple[int, ...],
@@ -200,3 +250,17 @@ def ahead_entry(h: Hypothesis, out: DraftOutput, row: int, sampled: bool) -> Dra
     else:
         drafts = DraftResult(src.seq_id, position, tokens)
     return DraftAhead(src.seq_id, src.base, h.outcome, drafts)
+
+
+def bonus_entry(src: AheadSource, out: DraftOutput, row: int, sampled: bool) -> DraftAhead:
+    """The bonus pass's row as an entry for (m, its own bonus guess): step 1 is the
+    guess, steps 2..K the K-1 drafts after it (a = m without a second round)."""
+    tokens = out.tokens[row].cpu()  # [K]
+    outcome = (*src.verify.tolist(), int(tokens[0]))
+    position = src.base + len(outcome)
+    if sampled:
+        drafts = DraftResult(src.seq_id, position, tokens[1:].clone(),
+                             out.support[row, 1:].cpu(), out.probs[row, 1:].float().cpu())
+    else:
+        drafts = DraftResult(src.seq_id, position, tokens[1:].clone())
+    return DraftAhead(src.seq_id, src.base, outcome, drafts)

@@ -365,7 +365,9 @@ def decode_ahead(msg: pb.LookAhead, limits: DraftLimits, name: str) -> DraftAhea
         raise invalid(f"{name}.drafts: seq_id {msg.drafts.seq_id} at position "
                       f"{msg.drafts.position} do not follow seq {msg.seq_id}'s outcome "
                       f"at {msg.base} + {len(outcome)}")
-    drafts = decode_drafts(msg.drafts, limits, f"{name}.drafts", count=K)
+    # NOTE: K drafts, or K-1 after a bonus guess drafted in the bonus pass itself
+    count = K - 1 if len(msg.drafts.tokens) == K - 1 and len(outcome) > 1 else K
+    drafts = decode_drafts(msg.drafts, limits, f"{name}.drafts", count=count)
     return DraftAhead(msg.seq_id, msg.base, tuple(outcome), drafts)
 
 
