@@ -262,6 +262,7 @@ def test_set_endpoints_adds_and_removes_drafters(models, batch, plain, drafters)
     a, b = drafters(2)
     client = GrpcDraftClient([a.address], round_deadline_s=PATIENT)
     drive = Driver(engine(models[0], client=client, k=K))
+    assert client.wait_connected(10) and client.accepting()
     first = drive.add(batch[:4], "x")
     drive.step_until(lambda: client.loads() == {a.address: 4})
     client.set_endpoints([a.address, b.address])
@@ -312,9 +313,12 @@ def test_slow_drafter_costs_speed_not_output(loop, models, batch, plain) -> None
 
 def test_without_drafters_every_update_is_answered_locally(models, batch, plain) -> None:
     client = GrpcDraftClient([])
-    got = outputs(engine(models[0], client=client, k=K), batch[:2], MAX_TOKENS)[0]
+    eng = engine(models[0], client=client, k=K)
+    got = outputs(eng, batch[:2], MAX_TOKENS)[0]
     assert got == plain[:2]
     assert client.stats.local_failures >= 2 and client.stats.batches_sent == 0
+    # no drafter accepts: the engine recomputes no prefix for a resync that would fail
+    assert not client.accepting() and eng.resyncs == 0
     # a sequence that found no drafter is not asked to resync (it would find none again)
     client.submit([SeqUpdate(5, 0, (1, 2), torch.zeros(2, 32))])
     client.submit([SeqUpdate(5, 2, (3,), torch.zeros(1, 32))])

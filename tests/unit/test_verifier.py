@@ -248,3 +248,30 @@ def test_speculation_resumes_after_a_drafter_outage(pair) -> None:
     stats = [c.stats for c in result.completions]
     assert all(s.fallback_rounds > 0 for s in stats)  # the outage was felt
     assert all(s.rounds > 3 for s in stats)  # and speculation came back for every request
+
+
+class SayingOutageClient(OutageClient):
+    """An OutageClient that says so (`accepting`), as the gRPC pool does with no live
+    drafter."""
+
+    def accepting(self) -> bool:
+        return self.outage <= 0
+
+
+@pytest.mark.parametrize("outage", [5, 10_000])
+def test_no_resync_recompute_while_no_drafter_accepts(pair, outage) -> None:
+    """A resync recomputes the prefix: with no drafter to take it, none runs (before, one
+    ran per backoff period for nothing); once one accepts, sequences resync and
+    speculate again. Output is the plain output either way."""
+    target, draft = pair
+    ps = prompts(3, seed=11)
+    reference = outputs(engine(target), ps, 60)[0]
+    drafter = DrafterEngine(draft, DrafterConfig(num_steps=3, max_seqs=8, max_len=256))
+    eng = engine(target, k=3, client=SayingOutageClient(drafter, outage=outage))
+    got, result = outputs(eng, ps, 60)
+    assert got == reference
+    stats = [c.stats for c in result.completions]
+    if outage > 100:  # never over: no recompute at all, no drafts
+        assert eng.resyncs == 0 and all(s.draft_tokens == 0 for s in stats)
+    else:
+        assert eng.resyncs > 0 and all(s.rounds > s.fallback_rounds for s in stats)

@@ -58,10 +58,11 @@ class DraftProtocol:
                     req.draft_miss = "no_drafter"
                     req.resync_at = self.steps + req.resync_backoff
                     req.resync_backoff = min(2 * req.resync_backoff, MAX_RESYNC_BACKOFF)
-        for req in self.running:
-            if req.resync_at is not None and req.resync_at <= self.steps and \
-                    not req.drafter_synced and not req.finished and req.num_computed > 0:
-                resync.append(self._resync_update(req))
+        due = [req for req in self.running if req.resync_at is not None and
+               req.resync_at <= self.steps and not req.drafter_synced and
+               not req.finished and req.num_computed > 0]
+        if due and self._drafter_accepting():  # NOTE: else they stay due: plain decode
+            resync += [self._resync_update(req) for req in due]
         self._take_ahead()
         if resync:
             self.drafter.submit(resync)
@@ -69,6 +70,13 @@ class DraftProtocol:
                 # NOTE: the drafter sees the resync before this step's update (same stream,
                 # in order), so the sequence may keep sending updates from now on.
                 by_seq[upd.seq_id].drafter_synced = True
+
+    def _drafter_accepting(self) -> bool:
+        """A resync recomputes the whole prefix: worth it only where a drafter can take
+        the sequence (with no drafter, retrying cost a prefill per backoff period).
+        A client that cannot tell (`accepting` absent) is always tried."""
+        accepting = getattr(self.drafter, "accepting", None)
+        return accepting is None or accepting()
 
     def _resync_update(self, req: Request) -> SeqUpdate:
         """Rebuild the drafter's state: recompute h for the committed prefix (DESIGN 3.4)."""

@@ -167,6 +167,12 @@ class GrpcDraftClient:
             self._connecting.add(endpoint)
         self._connect_and_add(endpoint, failures)
 
+    def accepting(self) -> bool:
+        """Whether a live drafter has room for another sequence (a resync would land)."""
+        with self._cond:
+            return any(link.state is LinkState.LIVE and len(link.seqs) < link.capacity
+                       for link in self._links.values())
+
     def loads(self) -> dict[str, int]:
         """Sequences assigned per usable drafter."""
         with self._cond:
