@@ -197,3 +197,26 @@ def test_plain_policy_asks_for_drafts_again_after_a_while():
     chosen = [policy.depths([0], [3])[0] for _ in range(2 * EXPLORE_AFTER + 2)]
     assert chosen.count(3) == 2 and chosen.count(0) == 2 * EXPLORE_AFTER  # one probe each
     assert chosen[EXPLORE_AFTER] == 3
+
+
+def _served(gap_s: float) -> AdaptiveDepth:
+    """16 sequences; steps of 16 or 64 rows costing 1 + rows ms, a 20 ms round, and
+    `gap_s` between one step's end and the next one's start (a server's other threads)."""
+    policy = AdaptiveDepth(num_steps=3)
+    t = 0.0
+    for step in range(60):
+        for seq in range(16):
+            policy.observe_round(seq, 3, 3)
+        rows = 64 if step % 2 else 16
+        policy.observe_step(rows, 1.0 + rows, 0.0, 20.0, asked=True, started_s=t)
+        t += 1.0 + rows + 20.0 + gap_s
+    return policy
+
+
+def test_time_between_steps_counts_as_the_steps_cost():
+    assert _served(0.0).cost().fixed_s == pytest.approx(1.0)
+    assert _served(100.0).cost().fixed_s == pytest.approx(101.0)
+    # 16 rows: plain 16/117 ms; drafting 3 deep adds ~3 tokens a sequence for 48 rows and
+    # the round: worth it once every step costs 100 ms more anyway
+    assert _served(0.0).depths(list(range(16)), [3] * 16) == [0] * 16
+    assert _served(100.0).depths(list(range(16)), [3] * 16) == [3] * 16

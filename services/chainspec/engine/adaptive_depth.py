@@ -161,6 +161,7 @@ class AdaptiveDepth:
     overheads: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # s
     plain_steps: int = 0  # steps in a row that chose no drafts
     _last: tuple[bool, bool] = (False, False)  # the previous step asked, had prompt rows
+    _open: tuple[float, float, float] | None = None  # last step: start, busy s, overhead
 
     def __post_init__(self) -> None:
         if self.global_counts is None:
@@ -205,15 +206,25 @@ class AdaptiveDepth:
         self.global_counts.record(num_drafts, accepted, GLOBAL_DECAY)
 
     def observe_step(self, rows: int, forward_s: float, overhead_s: float, draft_s: float,
-                     asked: bool, prompt_rows: bool = False) -> None:
+                     asked: bool, prompt_rows: bool = False,
+                     started_s: float | None = None) -> None:
         """A step ran `rows` rows in `forward_s`; `overhead_s`: its other work but the
         drafter's; `draft_s`: its time in the drafter client (the wait for drafts, and
         an in-process drafter's round); `asked`: it asked for drafts; `prompt_rows`: it
-        sent the drafter prompt rows. NOTE: a remote round's wait falls in the step after
+        sent the drafter prompt rows; `started_s` (perf_counter), when given, adds the
+        time until the next step starts to this step's overhead: a server's threads
+        (streaming, the RPC server) take it from every step, more per step than the
+        step itself on a busy host. NOTE: a remote round's wait falls in the step after
         the one that asked, so both steps' flags qualify a sample."""
         if rows > 0:
             self.forward.add(rows, forward_s)
-        self.overheads.append(max(0.0, overhead_s))
+        if started_s is None:
+            self.overheads.append(max(0.0, overhead_s))
+        else:
+            if self._open is not None:  # NOTE: idle waits count too; the median sees past
+                start, busy, overhead = self._open
+                self.overheads.append(overhead + max(0.0, started_s - start - busy))
+            self._open = (started_s, forward_s + overhead_s + draft_s, max(0.0, overhead_s))
         asked_before, prompt_before = self._last
         if asked or asked_before:
             self.rounds.append(draft_s)

@@ -244,8 +244,7 @@ class VerifierEngine(DraftProtocol):
             self.drafter.submit(updates)
             draft_s += time.perf_counter() - submit_started
         if self.depth is not None:  # NOTE: before _reap, which forgets finished sequences
-            self._learn_depth(work, result.verdicts, updates, forward_s, draft_s,
-                              time.perf_counter() - started - forward_s - draft_s)
+            self._learn_depth(work, result.verdicts, updates, forward_s, draft_s, started)
         outputs.extend(self._reap())
         self._observe(started, drafts_ready, work, result.verdicts, outputs)
         return outputs
@@ -273,15 +272,16 @@ class VerifierEngine(DraftProtocol):
         return out
 
     def _learn_depth(self, work: Sequence[Work], verdicts, updates: Sequence[SeqUpdate],
-                     forward_s: float, draft_s: float, overhead_s: float) -> None:
+                     forward_s: float, draft_s: float, started: float) -> None:
         """`draft_s`: the step's time in the drafter client; `updates`: what it sent."""
+        overhead_s = time.perf_counter() - started - forward_s - draft_s
         for w, verdict in zip(work, verdicts, strict=True):
             if w.kind is WorkKind.VERIFY and w.num_drafts:
                 self.depth.observe_round(self.seq_ids[w.request.request_id], w.num_drafts,
                                          verdict.accepted)
         self.depth.observe_step(sum(w.num_rows for w in work), forward_s, overhead_s, draft_s,
                                 any(u.want_drafts for u in updates),
-                                any(w.kind is WorkKind.PREFILL for w in work))
+                                any(w.kind is WorkKind.PREFILL for w in work), started)
 
     def _observe(self, started: float, drafts_ready: float, work, verdicts, outputs) -> None:
         if self.observer is None:
