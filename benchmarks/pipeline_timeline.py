@@ -1,9 +1,14 @@
 """One second of a batch-8 run over gRPC, drawn on one time axis: the verifier's forward
-per group, its wait for drafts, the drafter's compute and the wire both ways, without
-pipelining (1 group) and with 2 pipelined groups (DESIGN 4.8).
+per group, its wait for drafts, the drafter's compute (exact rounds and look-aheads) and
+the wire both ways, without pipelining (1 group), with 2 pipelined groups, and with one
+group and multi-hypothesis draft-ahead (DESIGN 4.8).
 
     RAY_AUTH_MODE=disabled .venv/bin/python benchmarks/pipeline_timeline.py \
-        [--batch 8] [--max-tokens 128] [--out benchmarks/results/pipeline_timeline.png]
+        [--batch 8] [--max-tokens 128] [--pin] \
+        [--out benchmarks/results/pipeline_timeline.png]
+
+`--pin`: this process (the verifier) on core 0, the drafter process on core 1
+(`os.sched_setaffinity` on every thread), as `services_bench.py --pin` places them.
 
 The verifier engine runs here, the drafter in its own process (`round_breakdown`'s traced
 drafter server); both stamp CLOCK_MONOTONIC (`time.monotonic_ns`, which `perf_counter`
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import sys
 from pathlib import Path
 
@@ -54,15 +60,24 @@ class StepLog:
                 step.started_s, step.drafts_s, step.finished_s))))
 
 
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of process `pid` on `cores`."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # NOTE: a thread that ended meanwhile
+            pass
+
+
 def run(models, opts: LocalOptions, prompts, max_tokens: int, groups: int, port: int,
-        conn) -> dict:
+        conn, ahead: bool = False) -> dict:
     client = GrpcDraftClient(max_seqs=len(prompts), round_deadline_s=1.0)
     client.trace = RoundTrace()
     client.set_endpoints([f"127.0.0.1:{port}"])
     client.wait_connected(30)
     log = StepLog()
     config = VerifierConfig(num_steps=opts.num_steps, max_seqs=len(prompts),
-                            max_len=opts.max_len, groups=groups)
+                            max_len=opts.max_len, groups=groups, draft_ahead=ahead)
     engine = VerifierEngine(models.target, config, client, observer=log)
     conn.send("trace")
     conn.recv()  # drop the drafter's earlier marks
@@ -73,16 +88,19 @@ def run(models, opts: LocalOptions, prompts, max_tokens: int, groups: int, port:
     client.close()
     tokens = [c.tokens for c in result.completions]
     return {"tokens": tokens, "steps": log.steps, "verifier_marks": client.trace.drain(),
-            "drafter_marks": drafter_marks, "groups": groups}
+            "drafter_marks": drafter_marks, "groups": groups, "ahead": ahead,
+            "ahead_hits": engine.ahead_hits, "ahead_misses": engine.ahead_misses,
+            "ahead_rank_hits": {str(r): n for r, n in sorted(engine.ahead_rank_hits.items())},
+            "label": f"{groups} group(s)" + (", draft-ahead" if ahead else "")}
 
 
 def spans(r: dict) -> dict[str, list[tuple[int, int, int]]]:
     """Per lane: (start_ns, end_ns, group) spans."""
     marks: dict[int, dict[str, int]] = {}
     for batch_id, hop, t in [*r["verifier_marks"], *r["drafter_marks"]]:
-        marks.setdefault(batch_id, {})[hop] = t
+        marks.setdefault(batch_id, {}).setdefault(hop, t)  # NOTE: v_recv: the exact answer
     out: dict[str, list] = {"verifier forward": [], "verifier waits for drafts": [],
-                            "wire": [], "drafter compute": []}
+                            "wire": [], "drafter compute": [], "drafter look-ahead": []}
     for group, started, drafts_in, finished in r["steps"]:
         out["verifier waits for drafts"].append((started, drafts_in, group))
         out["verifier forward"].append((drafts_in, finished, group))
@@ -95,6 +113,8 @@ def spans(r: dict) -> dict[str, list[tuple[int, int, int]]]:
         out["wire"].append((m["v_send"], m["d_recv"], group))
         out["drafter compute"].append((m["d_start"], m["d_drafted"], group))
         out["wire"].append((m["d_send"], m["v_recv"], group))
+        if {"d_ahead_start", "d_ahead_end"} <= m.keys():
+            out["drafter look-ahead"].append((m["d_ahead_start"], m["d_ahead_end"], group))
     return out
 
 
@@ -104,7 +124,11 @@ def figures(r: dict, lanes: dict) -> dict:
 
     def busy(lane: str) -> float:
         return sum(e - s for s, e, _ in lanes[lane]) / (t1 - t0)
-    return {"groups": r["groups"], "wall_s": (t1 - t0) / 1e9,
+    looked = r["ahead_hits"] + r["ahead_misses"]
+    return {"mode": r["label"], "groups": r["groups"], "wall_s": (t1 - t0) / 1e9,
+            "ahead_hit_rate": r["ahead_hits"] / looked if looked else None,
+            "ahead_rank_hits": r["ahead_rank_hits"],
+            "drafter_look_ahead_share": busy("drafter look-ahead"),
             "tokens": sum(map(len, r["tokens"])),
             "tokens_per_s": sum(map(len, r["tokens"])) / ((t1 - t0) / 1e9),
             "verifier_forward_share": busy("verifier forward"),
@@ -131,8 +155,10 @@ def plot(runs: list[dict], path: Path) -> None:
         ax.set_yticks(range(len(names)), names)
         ax.set_xlim(0, WINDOW_S * 1e3)
         f = figures(r, lanes)
-        ax.set_title(f"{r['groups']} group(s): {f['tokens_per_s']:.0f} tokens/s; verifier "
-                     f"waits {100 * f['verifier_wait_share']:.0f} % of the time "
+        hits = "" if f["ahead_hit_rate"] is None else \
+            f"; look-ahead hits {100 * f['ahead_hit_rate']:.0f} %"
+        ax.set_title(f"{r['label']}: {f['tokens_per_s']:.0f} tokens/s; verifier "
+                     f"waits {100 * f['verifier_wait_share']:.0f} % of the time{hits} "
                      f"(colour = group)", fontsize=10)
     axes[-1].set_xlabel("ms (one second of a batch-8 greedy run, demo model, K = 3)")
     fig.tight_layout()
@@ -146,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results/pipeline_timeline.png")
+    p.add_argument("--pin", action="store_true", help="verifier on core 0, drafter on 1")
     args = p.parse_args(argv)
+    if args.pin:
+        pin(os.getpid(), {0})
     torch.set_num_threads(1)
     tok = Tokenizer.from_dir(DEMO_MODEL)
     prompts = [tok.encode(t) for t in (PROMPTS * args.batch)[:args.batch]]
@@ -163,13 +192,16 @@ def main(argv: list[str] | None = None) -> int:
                        args=(child, str(DEMO_MODEL), args.k, args.batch, 512, 1))
     proc.start()
     port = conn.recv()
+    if args.pin:
+        pin(proc.pid, {1})
     try:
-        runs = [run(models, opts, prompts, args.max_tokens, g, port, conn) for g in (1, 2)]
+        runs = [run(models, opts, prompts, args.max_tokens, g, port, conn, ahead)
+                for g, ahead in ((1, False), (2, False), (1, True))]
     finally:
         conn.send("stop")
         proc.join(10)
     for r in runs:
-        assert r["tokens"] == plain, f"groups={r['groups']}: output differs from plain"
+        assert r["tokens"] == plain, f"{r['label']}: output differs from plain"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     plot(runs, out)

@@ -15,6 +15,7 @@ import torch
 
 from chainspec.engine.draft_types import DraftResult, DraftSampling, SeqUpdate
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
+from chainspec.engine.lookahead import AheadClock
 from tests.unit.draft_reference import reference_round
 from tests.unit.test_drafter_exactness import Committed, check_round, prefill
 from tests.unit.tiny_models import tiny_draft_model
@@ -248,3 +249,31 @@ def test_released_sequence_gets_no_entry_and_bad_verifying_fails_alone() -> None
     assert failure.code == "INVALID_ARGUMENT" and "verifying" in failure.message
     assert isinstance(engine.update([_ahead(SeqUpdate(1, upd.start, upd.tokens,
                                                        upd.hidden))])[0], DraftResult)
+
+
+def test_clock_fits_rows_in_the_shortest_recent_step() -> None:
+    clock = AheadClock(share=0.5)
+    assert clock.rows_left(0.0) is None, "nothing measured: no bound yet"
+    for t in (0.0, 0.010, 0.030, 0.040):  # steps of 10, 20, 10 ms: 10 ms is the step
+        clock.update_started(t)
+    clock.round_done(rows=10, seconds=0.001)  # 0.1 ms a row
+    assert clock.rows_left(0.040) == 50  # half of 10 ms
+    assert clock.rows_left(0.043) == 20
+    assert clock.rows_left(0.050) == 0
+
+
+def test_a_look_ahead_out_of_time_drafts_the_bonus_pass_alone() -> None:
+    k = 3
+    engine, _, _, _, _, _ = _round_then_plan(k, True, (), ahead_rows=10_000)
+    rng = random.Random(8)
+    seq = Committed(rng, 9)
+    engine.ahead_clock.rows_left = lambda now: 0  # the step is over
+    engine.update([_ahead(prefill(1, seq))])
+    entries = engine.look_ahead()
+    assert [(e.seq_id, e.drafts.tokens.shape[0]) for e in entries] == [(1, k - 1)]
+    engine.ahead_clock.rows_left = lambda now: 10_000
+    upd = seq.extend(rng, 2)
+    engine.update([_ahead(SeqUpdate(1, upd.start, upd.tokens, upd.hidden))])
+    entries = engine.look_ahead()
+    assert len(entries) == (k + 1) * engine.config.ahead_fanout
+    assert all(e.drafts.tokens.shape[0] == k for e in entries)

@@ -63,7 +63,9 @@ class DrafterConfig:
     # of hypothesis windows per look-ahead round (bounds its time beside a verify step)
     ahead_fanout: int = 2
     ahead_rows: int = 48
-    ahead_second_round: bool | None = None  # None: when it fits in the verifier's step
+    # None: the corrections and the second round as far as they fit in the verifier's
+    # step (lookahead.AheadClock); True / False: always / never a second round
+    ahead_second_round: bool | None = None
     kv: KVBudget = field(default_factory=KVBudget)  # paged KV cache size
 
     def __post_init__(self) -> None:
@@ -110,6 +112,7 @@ class DrafterEngine:
         self.accept_rates = AcceptRates(c.num_steps)  # ranks look-ahead hypotheses
         self.ahead_clock = AheadClock()  # does a second look-ahead round fit?
         self.ahead_plan: list[Hypothesis] = []  # behind the last look-ahead's entries
+        self._hist_rows: dict[int, int] = {}  # history rows of the last look-ahead's windows
         self._observed_prefix = (0, 0)  # prefix-cache counters the observer has seen
         graph_batch = min(c.max_graph_batch, c.max_seqs)
         buffers = StaticDraftBuffers(graph_batch, c.num_steps, self.hidden_size, c.max_len,
@@ -193,13 +196,14 @@ class DrafterEngine:
         self.ahead_plan = []
         if not todo or self.cache.has_states:  # NOTE: scratch copies paged KV only
             return []
-        started = time.perf_counter()
         first = self._first_round(todo)
         if first is None:
             return []
         plan, entries, finals = first
-        if self.ahead_clock.second_round_fits(started, time.perf_counter(),
-                                              c.ahead_second_round):
+        if c.ahead_second_round is None:  # as many as fit in the verifier's step
+            left = self.ahead_clock.rows_left(time.perf_counter())
+            finals = finals if left is None else _within(finals, left, self._hist_rows)
+        if finals and c.ahead_second_round is not False:
             second = self.draft_hypotheses(finals)  # NOTE: [] if the pool is short
             done = {(e.seq_id, e.outcome) for e in second}
             keep = [i for i, e in enumerate(entries) if (e.seq_id, e.outcome) not in done]
@@ -230,13 +234,17 @@ class DrafterEngine:
                 for i, src in enumerate(todo)}
         spent = sum(w.num_rows for w in windows)
         covered = {src.seq_id: lengths[src.seq_id][-1] / 2 for src in todo}
-        fixes = select(fixes, c.ahead_rows, hist, covered, spent)
+        budget = c.ahead_rows
+        if c.ahead_second_round is None:  # the bonus pass always; more as time allows
+            left = self.ahead_clock.rows_left(time.perf_counter())
+            budget = budget if left is None else min(budget, max(left, spent))
+        fixes = select(fixes, budget, hist, covered, spent)
         windows += [self._hypothesis_window(h) for h in fixes]
         out = self._run_scratch(windows, [src.seq_id for src in todo] +
                                 [h.src.seq_id for h in fixes])
         if out is None:
             return None
-        self.ahead_rounds += 1
+        self._hist_rows = hist
         S = len(todo)
         bonus = self.model.logits(1, out.chain[:S, 0])  # [S, V]: x[N'+m+1]
         plan, entries, finals = [], [], []
@@ -268,7 +276,6 @@ class DrafterEngine:
                                 [h.src.seq_id for h in hyps])
         if out is None:
             return []
-        self.ahead_rounds += 1
         return [ahead_entry(h, out, row, h.src.temperature > 0)
                 for row, h in enumerate(hyps)]
 
@@ -285,10 +292,14 @@ class DrafterEngine:
             held += blocks[w.first_pos // self.allocator.block_size:]
             ready.append(replace(w, blocks=tuple(blocks)))
         self._clock = None  # NOTE: the observer times exact rounds only
+        started = time.perf_counter()
         try:
             out, _ = self._run(ready)
         finally:
             self.allocator.free(held)
+        self.ahead_rounds += 1
+        self.ahead_clock.round_done(sum(w.num_rows for w in ready),
+                                    time.perf_counter() - started)
         return out
 
     def _scratch(self, seq_id: int, w: Window) -> list[int] | None:
@@ -464,3 +475,13 @@ def _signed64(seed: int | None) -> int:
         return int(torch.randint(0, 2 ** 62, ()).item())
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
+
+def _within(hyps: list[Hypothesis], rows: int, hist_rows: dict[int, int]) -> list[Hypothesis]:
+    """The hypotheses whose windows fit in `rows`: every sequence's best first."""
+    out = []
+    for h in sorted(hyps, key=lambda h: (h.rank, -h.prob)):
+        rows -= hist_rows[h.src.seq_id] + len(h.outcome)
+        if rows < 0:
+            break
+        out.append(h)
+    return out

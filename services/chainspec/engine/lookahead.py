@@ -35,6 +35,7 @@ exactly as without look-ahead, and hypotheses of one sequence never see each oth
 
 from __future__ import annotations
 
+import collections
 import heapq
 import math
 from dataclasses import dataclass
@@ -203,31 +204,36 @@ def _gain(covered: float, h: Hypothesis, rows: int) -> float:
 
 
 class AheadClock:
-    """Whether a second look-ahead round fits: it must end before the verifier's step
-    does, or the next exact update waits behind it. The step's length is taken as the
-    interval between updates that ask for look-aheads (an exponential average)."""
+    """How many look-ahead rows fit before the verifier's step ends: past that, the next
+    exact update would wait behind the look-ahead, and its entries arrive after the
+    verdict they guess. The step is taken as the shortest recent interval between updates
+    that ask for look-aheads (a step that waited for drafts is longer; a hit's is not);
+    a row's cost as an exponential average over look-ahead rounds."""
 
-    def __init__(self, share: float = 0.7, smoothing: float = 0.2) -> None:
+    def __init__(self, share: float = 0.8, recent: int = 8, smoothing: float = 0.3) -> None:
         self.share = share  # of the step the look-ahead may end by
         self.smoothing = smoothing
-        self.period_s: float | None = None
+        self.gaps: collections.deque[float] = collections.deque(maxlen=recent)
+        self.row_s: float | None = None  # seconds per look-ahead row
         self._last: float | None = None
         self._update_started = 0.0
 
     def update_started(self, now: float) -> None:
         if self._last is not None:
-            gap = now - self._last
-            self.period_s = gap if self.period_s is None else \
-                self.period_s + self.smoothing * (gap - self.period_s)
+            self.gaps.append(now - self._last)
         self._last = self._update_started = now
 
-    def second_round_fits(self, started: float, now: float, forced: bool | None) -> bool:
-        """`started`..`now`: the first round; assumed to take as long again."""
-        if forced is not None:
-            return forced
-        if self.period_s is None:
-            return False
-        return (now - self._update_started) + (now - started) <= self.share * self.period_s
+    def round_done(self, rows: int, seconds: float) -> None:
+        per_row = seconds / max(rows, 1)
+        self.row_s = per_row if self.row_s is None else \
+            self.row_s + self.smoothing * (per_row - self.row_s)
+
+    def rows_left(self, now: float) -> int | None:
+        """Rows that still fit in this step; None while nothing is measured yet."""
+        if not self.gaps or self.row_s is None:
+            return None
+        left = self.share * min(self.gaps) - (now - self._update_started)
+        return max(0, int(left / self.row_s))
 
 
 def hypothesis_window(h: Hypothesis, blocks: tuple[int, ...],

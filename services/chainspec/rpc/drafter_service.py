@@ -214,9 +214,13 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                    pending: list[AheadSource]) -> pb.DraftResponse | None:
         """The look-ahead response to `batch_id`, under the verifier's ids."""
         back = {eid: sid for sid, eid in stream.ids.items()}
+        if self.trace is not None:
+            self.trace.mark(batch_id, "d_ahead_start")
         entries = [replace(e, seq_id=back[e.seq_id],
                            drafts=replace(e.drafts, seq_id=back[e.seq_id]))
                    for e in self.engine.look_ahead(pending) if e.seq_id in back]
+        if self.trace is not None:
+            self.trace.mark(batch_id, "d_ahead_end")
         return encode_ahead_response(batch_id, entries) if entries else None
 
     def _refuse(self, stream: _Stream, updates: Sequence[SeqUpdate]) -> list[SeqFailure]:
