@@ -1,5 +1,6 @@
 """AsyncVerifier: same tokens as the synchronous engine, concurrency, abort on cancel,
-bounded queue, shutdown fails in-flight requests, idle thread sleeps."""
+bounded queue, shutdown fails in-flight requests, idle thread sleeps, a reader behind
+takes the outputs waiting as one."""
 
 from __future__ import annotations
 
@@ -9,8 +10,15 @@ import time
 
 import pytest
 
-from chainspec.engine.async_engine import AsyncVerifier, EngineStopped, QueueFull, RequestIdInUse
-from chainspec.engine.request import FinishReason, StopConditions
+from chainspec.engine.async_engine import (
+    AsyncVerifier,
+    EngineStopped,
+    QueueFull,
+    RequestIdInUse,
+    _coalesce,
+)
+from chainspec.engine.logprobs import TokenLogprob
+from chainspec.engine.request import FinishReason, RequestOutput, RequestStats, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from tests.unit.engine_fixtures import engine, outputs, prompts, tied_pair
 
@@ -203,3 +211,54 @@ def test_a_stuck_step_counts_as_stalled_and_a_busy_engine_does_not(pair) -> None
     stuck, after = asyncio.run(main())
     assert stuck is not None and "no progress" in stuck
     assert after is None
+
+
+def test_coalesce_merges_waiting_outputs_in_order() -> None:
+    def lp(t):
+        return TokenLogprob(t, -0.5, ((t, -0.5),))
+
+    async def main():
+        q: asyncio.Queue = asyncio.Queue()
+        stats = RequestStats(3)
+        for out in (RequestOutput("r", (2, 3), logprobs=(lp(2), lp(3))),
+                    RequestOutput("r", (), logprobs=()),
+                    RequestOutput("r", (4,), FinishReason.STOP, "ab", stats=stats,
+                                  logprobs=(lp(4),))):
+            q.put_nowait(out)
+        q.put_nowait(RequestOutput("r", (9,)))  # never merged past a finished output
+        first = RequestOutput("r", (1,), logprobs=(lp(1),))
+        got, held = _coalesce(first, q)
+        assert held is None and q.qsize() == 1
+        assert got.new_tokens == (1, 2, 3, 4) and [x.token for x in got.logprobs] == [1, 2, 3, 4]
+        assert (got.finish_reason, got.stop_string, got.stats) == (FinishReason.STOP, "ab", stats)
+        # no logprobs asked: None stays None; an EngineStopped ends the merge, handed back
+        q2: asyncio.Queue = asyncio.Queue()
+        stop = EngineStopped("gone")
+        for item in (RequestOutput("s", (5,)), stop, RequestOutput("s", (6,))):
+            q2.put_nowait(item)
+        got, held = _coalesce(RequestOutput("s", (4,)), q2)
+        assert got.new_tokens == (4, 5) and got.logprobs is None and held is stop
+        assert not got.finished
+    asyncio.run(main())
+
+
+def test_a_reader_behind_gets_several_steps_in_one_output(pair) -> None:
+    """A reader that takes its time gets the steps it missed as one output, token for
+    token what a prompt reader gets (and what the sync engine makes)."""
+    target, _ = pair
+    ps = prompts(1)
+    expected = outputs(engine(target), ps, max_tokens=30)[0][0]
+
+    async def main():
+        av = AsyncVerifier(engine(target))
+        tokens, n = [], 0
+        try:
+            async for out in av.generate("slow", ps[0], GREEDY, StopConditions(max_tokens=30)):
+                tokens.extend(out.new_tokens)
+                n += 1
+                await asyncio.sleep(0.05)  # several plain steps land meanwhile
+        finally:
+            av.shutdown()
+        return tokens, n
+    tokens, n = asyncio.run(main())
+    assert tokens == expected and n < 30

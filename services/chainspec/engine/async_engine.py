@@ -4,7 +4,8 @@ Threading model: the engine is not thread-safe, so every engine call (add, abort
 and anything passed to `call`) runs on the engine thread, fed by a command queue. The
 thread steps while the engine has work and sleeps on the queue when idle (no busy spin);
 a new command wakes it. Outputs of a step go back to the event loop in one
-`loop.call_soon_threadsafe` per loop and land in per-request asyncio queues.
+`loop.call_soon_threadsafe` per loop and land in per-request asyncio queues; a reader
+that finds several outputs waiting takes them as one (`_coalesce`).
 
 Clients cannot kill the thread: a caller that gives up (cancelled while its command is
 queued) leaves a cancelled future that the thread skips; a closed event loop is skipped
@@ -27,7 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from chainspec.engine.admission import OWN_PARTY, Admission
@@ -137,12 +138,13 @@ class AsyncVerifier:
             if not isinstance(e, ValueError) and self.alive:  # cancelled while queued
                 self._submit(lambda: self.engine.abort(request_id))
             raise
-        finished = False
+        finished, held = False, None
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = held if held is not None else await stream.queue.get()
                 if isinstance(item, EngineStopped):
                     raise item
+                item, held = _coalesce(item, stream.queue)
                 stream.buffered -= len(item.new_tokens)
                 finished = item.finished
                 yield item
@@ -262,6 +264,23 @@ class AsyncVerifier:
                 by_loop.setdefault(stream.loop, []).append(out)
         for loop, outs in by_loop.items():
             _post(loop, self._deliver, outs)
+
+
+def _coalesce(out: RequestOutput, waiting: asyncio.Queue
+              ) -> tuple[RequestOutput, EngineStopped | None]:
+    """`out` merged with the outputs already waiting behind it (a reader that fell behind
+    sends one message for several steps, not one each), and an EngineStopped taken from
+    the queue, to raise after. Lossless: tokens and logprobs keep their order; the
+    finish, stop string, error and stats are the last output's (only a finished output
+    carries them, and none follows it)."""
+    while not out.finished and not waiting.empty():
+        nxt = waiting.get_nowait()
+        if isinstance(nxt, EngineStopped):
+            return out, nxt
+        logprobs = None if out.logprobs is None and nxt.logprobs is None else \
+            (out.logprobs or ()) + (nxt.logprobs or ())
+        out = replace(nxt, new_tokens=out.new_tokens + nxt.new_tokens, logprobs=logprobs)
+    return out, None
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
