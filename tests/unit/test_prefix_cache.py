@@ -286,10 +286,10 @@ def test_cache_keys_cross_the_wire_and_bad_ones_fail_their_sequence():
     assert "3 cache_key_ends but 2 cache_keys" in failure.message
 
 
-def test_models_whose_hits_would_need_state_or_given_back_windows_do_not_cache():
-    """Recurrent states (not snapshotted per block) and windowed groups in their own
-    pools (blocks below the window given back) turn prefix caching off; the drafter's
-    windowed layers keep every position, so it caches them."""
+def test_which_cache_layouts_cache_prefixes():
+    """Recurrent states turn prefix caching off where nothing snapshots them (the
+    verifier does: tests/unit/test_prefix_cache_hybrid.py); windowed groups cache their
+    blocks in their own pools or, in the drafter, in the full-length one."""
     import torch
 
     from chainspec.engine.kv_budget import model_cache
@@ -302,7 +302,7 @@ def test_models_whose_hits_would_need_state_or_given_back_windows_do_not_cache()
         return alloc.cache is not None
     assert caching([full, full])
     assert not caching([full, StateSpec(((4, 3),))])
-    assert not caching([full, windowed])
+    assert caching([full, windowed])  # windowed groups cache their blocks too
     assert caching([full, windowed], separate_windows=False)  # the drafter's layout
     _, off, _ = model_cache([full], _kv(16, False), 2, 64, 8, 4, torch.float32,
                             torch.device("cpu"))

@@ -238,3 +238,65 @@ def test_blocks_filled_by_accepted_drafts_are_cached_under_their_true_hashes():
     cache = eng.allocator.cache
     assert [cache.lookup(h) is not None for h in chain] == [True] * (len(seq) // BS)
     assert cache.num_cached == len(chain)
+
+
+# -- windowed groups in their own pools (MiMo-V2-Flash: window 8, blocks of 4) -------------
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    from tests.unit.families.mimo_v2_flash_checkpoint import write_checkpoint
+    path = tmp_path_factory.mktemp("mimo_prefix_cache")
+    write_checkpoint(path, seed=5, vocab_size=VOCAB)
+    return load_target(path), load_draft_model(path)
+
+
+@pytest.mark.parametrize(("k", "temperature"), [(None, 0.0), (2, 0.0), (3, 0.8)])
+def test_windowed_outputs_equal_with_caching_on_and_off_under_eviction(windowed, k,
+                                                                       temperature):
+    """Window blocks given back below the window stay cached (idle); a hit adopts the
+    ones its next row sees. Small pools: full blocks are evicted along the way."""
+    from tests.unit.families.mimo_v2_flash_checkpoint import WINDOW
+    target, draft = windowed
+    batch = _shared_prompts(8, prefix_len=21)  # past the window: trimmed blocks are hit
+    got = {}
+    for caching in (False, True):
+        eng = engine(target, draft if k else None, k=k or 1, max_seqs=2, chunk=7,
+                     kv=_kv(26, caching), drafter_kv=_kv(60, caching))
+        pool = eng.claims.pools[WINDOW]
+        evicted = [] if pool.cache is None else _evicted_blocks(eng.allocator.cache)
+        got[caching] = outputs(eng, batch, 12, temperature)[0]
+    assert got[True] == got[False]
+    assert eng.allocator.cache.hits > 0 and pool.cache.num_cached > 0
+    assert evicted  # the full-length pool was too small to keep everything
+    assert eng.allocator.num_used == 0 and pool.num_used == 0
+
+
+def _evicted_blocks(cache) -> list[int]:
+    evicted, evict = [], cache.evict
+
+    def counting() -> int:
+        evicted.append(1)
+        return evict()
+    cache.evict = counting
+    return evicted
+
+
+def test_a_windowed_hit_computes_only_its_uncached_rows(windowed):
+    from tests.unit.families.mimo_v2_flash_checkpoint import WINDOW
+    target, _ = windowed
+    eng = engine(target, kv=_kv(200, True))
+    eng.observer = rows = _Rows()
+    prefix = [(5 * i + 2) % VOCAB for i in range(40)]  # 10 blocks, far past the window
+    _run_one(eng, "a", prefix + [1, 2, 3])
+    second = prefix + [4, 5, 6, 7]
+    adopted = []
+    adopt = eng.claims.adopt
+
+    def spy(seq, hashes, n):
+        adopt(seq, hashes, n)
+        adopted.append([b is not None for b in seq.windows[WINDOW].blocks])
+    eng.claims.adopt = spy
+    got = _run_one(eng, "b", second)
+    assert eng.allocator.cache.hits == 40 and rows.prefill["b"] == len(second) - 40
+    # the next row (position 40) sees keys 33..40: blocks 8 and 9 of the window group
+    assert adopted == [[False] * 8 + [True, True]]
+    assert got == _run_one(engine(target, kv=_kv(200, False)), "b", second)

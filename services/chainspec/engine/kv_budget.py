@@ -125,19 +125,23 @@ def model_cache(specs: Sequence[CacheSpec], budget: KVBudget, max_seqs: int, max
     has_states = layout.state_bytes > 0
     snaps = snapshot_count(budget, max_seqs, state_rows) if has_states and snapshot_states \
         else 0
-    caching = budget.prefix_caching and caches_prefixes(specs, separate_windows, snaps > 0)
+    caching = budget.prefix_caching and caches_prefixes(specs, snaps > 0)
     snaps = snaps if caching else 0
     extra = -(-snaps // state_rows)  # slots after the running ones hold the snapshots
-    fixed = layout.window_bytes + layout.state_bytes * (max_seqs + extra) // max_seqs
+    # NOTE: cached window blocks need room beside the running sequences' bounds: as much
+    # again (a hit adopts the ceil(W / block) + 1 blocks its next row sees)
+    windows = {w: n * (2 if caching else 1) for w, n in layout.window_blocks.items()}
+    fixed = layout.window_bytes * (2 if caching else 1) + \
+        layout.state_bytes * (max_seqs + extra) // max_seqs
     blocks = budget.num_blocks(layout.full_block_bytes, max_seqs, max_len, device, fixed)
-    cache = ModelKVCache(specs, {None: blocks, **layout.window_blocks}, budget.block_size,
+    cache = ModelKVCache(specs, {None: blocks, **windows}, budget.block_size,
                          max_seqs + extra if has_states else 0, state_rows, dtype, device,
                          separate_windows)
     snapshots = StateSnapshots(
         [t for i, s in enumerate(specs) if isinstance(s, StateSpec) for t in cache.state(i)],
         max_seqs, state_rows, snaps) if snaps else None
-    claims = CacheClaims(layout.window_blocks, budget.block_size,
-                         max_seqs if has_states else 0, snapshots)
+    claims = CacheClaims(windows, budget.block_size,
+                         max_seqs if has_states else 0, snapshots, caching)
     return cache, BlockAllocator(blocks, budget.block_size, caching), claims
 
 
@@ -147,17 +151,11 @@ def snapshot_count(budget: KVBudget, max_seqs: int, state_rows: int) -> int:
     return max_seqs * state_rows if budget.state_snapshots is None else budget.state_snapshots
 
 
-def caches_prefixes(specs: Sequence[CacheSpec], separate_windows: bool,
-                    snapshots: bool = False) -> bool:
+def caches_prefixes(specs: Sequence[CacheSpec], snapshots: bool = False) -> bool:
     """Whether a cache of `specs` can share prefix blocks. Recurrent states only with
     `snapshots` (a hit needs the state at the block boundary: engine/state_snapshots.py).
-    NOTE: not with windowed groups whose blocks below the window go back to the pool (a
-    hit needs the window's last blocks, which a finished sequence no longer holds): those
-    models prefill every prompt in full (DESIGN 4.12, docs/design.md)."""
-    if any(isinstance(s, StateSpec) for s in specs) and not snapshots:
-        return False
-    return not (separate_windows and any(isinstance(s, PagedSpec) and s.window is not None
-                                         for s in specs))
+    Windowed groups in their own pools cache their blocks too (engine/kv_groups.py)."""
+    return snapshots or not any(isinstance(s, StateSpec) for s in specs)
 
 
 def paged_cache(num_layers: int, num_kv_heads: int, head_dim: int, budget: KVBudget,

@@ -9,7 +9,9 @@ preemption stay about the full-length blocks alone.
 
 With prefix caching, a model with states also has `StateSnapshots` (the states at block
 boundaries, engine/state_snapshots.py): a sequence admitted on a cached prefix starts
-from the snapshot at the prefix's end.
+from the snapshot at the prefix's end. The window pools cache their full committed
+blocks under the same chain hashes: a block given back below the window stays cached
+(idle, evicted LRU), and a hit adopts the blocks its next row's window can see.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ class WindowTable:
                 allocator.free([self.blocks[i]])
                 self.blocks[i] = None
 
+    def adopt(self, allocator: BlockAllocator, first: int, blocks: list[int]) -> None:
+        """Start an empty table with cached `blocks` from block `first` on (a hit)."""
+        allocator.hold(blocks)
+        self.blocks = [None] * first + list(blocks)
+
     def table(self) -> list[int]:
         """Block ids for a block table (given-back entries read as block 0, never
         seen: they lie below every row's window)."""
@@ -80,8 +87,10 @@ class CacheClaims:
     """Pools of the windowed groups and the state slots, for `max_seqs` sequences."""
 
     def __init__(self, window_blocks: dict[int, int], block_size: int, state_slots: int,
-                 snapshots: StateSnapshots | None = None) -> None:
-        self.pools = {w: BlockAllocator(n, block_size) for w, n in window_blocks.items()}
+                 snapshots: StateSnapshots | None = None, caching: bool = False) -> None:
+        self.pools = {w: BlockAllocator(n, block_size, caching)
+                      for w, n in window_blocks.items()}
+        self.block_size = block_size
         self._free_slots = list(range(state_slots - 1, -1, -1))
         self.snapshots = snapshots  # states at block boundaries (prefix caching)
 
@@ -97,6 +106,38 @@ class CacheClaims:
         if prefix is not None and self.snapshots is not None and seq.state_slot >= 0:
             self.snapshots.load(prefix, seq.state_slot)
             seq.state_row = 0
+
+    # -- prefix caching -------------------------------------------------------------
+    def _visible(self, w: int, num_blocks: int) -> range:
+        """Blocks of window `w` a row at the end of `num_blocks` blocks can see."""
+        return range(max(0, num_blocks * self.block_size - w + 1) // self.block_size,
+                     num_blocks)
+
+    def usable(self, hashes: list[BlockHash], num_blocks: int) -> bool:
+        """Whether a hit of `num_blocks` cached full blocks can start here: the state
+        snapshot at its end, and every window's visible blocks, are cached."""
+        if num_blocks and self.snapshots is not None and \
+                not self.snapshots.holds(hashes[num_blocks - 1]):
+            return False
+        return all(pool.cache is not None and
+                   all(pool.cache.lookup(hashes[i]) is not None
+                       for i in self._visible(w, num_blocks))
+                   for w, pool in self.pools.items())
+
+    def adopt(self, seq: SeqClaims, hashes: list[BlockHash], num_blocks: int) -> None:
+        """At a hit (`usable`): each window table starts with its visible cached blocks."""
+        for w, table in seq.windows.items():
+            seen = self._visible(w, num_blocks)
+            cache = self.pools[w].cache
+            table.adopt(self.pools[w], seen.start, [cache.lookup(hashes[i]) for i in seen])
+
+    def cache_blocks(self, seq: SeqClaims, hashes: list[BlockHash], lo: int, hi: int) -> None:
+        """Cache blocks lo..hi-1 of every window table (full, committed; before `trim`)."""
+        for w, table in seq.windows.items():
+            cache = self.pools[w].cache
+            for i in range(lo, min(hi, len(table.blocks))):
+                if cache is not None and table.blocks[i] is not None:
+                    cache.insert(hashes[i], table.blocks[i])
 
     def ensure(self, seq: SeqClaims, num_tokens: int) -> None:
         for w, table in seq.windows.items():

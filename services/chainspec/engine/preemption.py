@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from chainspec.engine.block_allocator import BlockAllocator
+from chainspec.engine.kv_groups import CacheClaims
 from chainspec.engine.prefix_cache import chain_hashes
 from chainspec.engine.request import Request
 from chainspec.engine.schedule import Work
-from chainspec.engine.state_snapshots import StateSnapshots
 
 
 def reserve(work: Sequence[Work], running: Sequence[Request], allocator: BlockAllocator
@@ -56,7 +56,7 @@ def requeue(req: Request) -> None:
 
 
 def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare: int = 0,
-                 snapshots: StateSnapshots | None = None) -> bool:
+                 claims: CacheClaims | None = None) -> bool:
     """Admission by free blocks: the whole prefill plus one verify window, or nothing.
 
     With prefix caching the table starts with the longest cached prefix (shared), whose
@@ -66,8 +66,9 @@ def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare:
     block). `spare`: blocks of the hit left out at its end and recomputed: 1 with a
     drafter, whose MTP KV in a block depends on the K tokens after it, so it needs the
     target's hidden rows of the last block to redo it for this continuation.
-    `snapshots` (a model with recurrent states): the hit ends at its last block with a
-    state snapshot, which `CacheClaims.claim` then loads (engine/state_snapshots.py)."""
+    `claims` (the engine's other cache groups): the hit ends where they can start too
+    (`CacheClaims.usable`: the state snapshot at its end, which `CacheClaims.claim` then
+    loads; the window blocks its next row sees, adopted here)."""
     need = len(req.tokens) + num_steps + 1
     cache = allocator.cache
     if cache is None:
@@ -76,13 +77,14 @@ def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare:
     hit = cache.match(chain_hashes(req.tokens, allocator.block_size, req.block_hashes,
                                    limit, req.hash_root)[:limit])
     hit = hit[:max(0, len(hit) - spare)]
-    if snapshots is not None:
-        while hit and not snapshots.holds(req.block_hashes[len(hit) - 1]):
-            hit.pop()
+    while claims is not None and hit and not claims.usable(req.block_hashes, len(hit)):
+        hit.pop()
     idle = sum(cache.is_idle(b) for b in hit)  # NOTE: held from now on, no longer free
     if allocator.blocks_for(need) - len(hit) > allocator.num_free - idle:
         return False
     req.blocks.adopt(allocator, hit)
+    if claims is not None and hit:
+        claims.adopt(req.claims, req.block_hashes, len(hit))
     if not req.blocks.ensure(allocator, need):
         raise RuntimeError("admission counted blocks it could not take")
     req.num_cached = len(hit)
@@ -93,11 +95,13 @@ def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare:
     return True
 
 
-def cache_committed(req: Request, allocator: BlockAllocator) -> None:
+def cache_committed(req: Request, allocator: BlockAllocator,
+                    claims: CacheClaims | None = None) -> None:
     """Cache the full blocks below `num_computed`: their KV holds committed tokens only
     (rejected drafts' rows lie at or past num_computed), and nothing writes them again.
     NOTE: only blocks whose tokens `req.tokens` holds: the hash needs them (a verify
-    window's accepted drafts are appended after its rows are computed)."""
+    window's accepted drafts are appended after its rows are computed). `claims`: the
+    window tables' blocks too (before they are trimmed)."""
     cache, bs = allocator.cache, allocator.block_size
     full = min(req.num_computed, len(req.tokens)) // bs
     if cache is None or full <= req.num_cached:
@@ -105,4 +109,6 @@ def cache_committed(req: Request, allocator: BlockAllocator) -> None:
     hashes = chain_hashes(req.tokens, bs, req.block_hashes, full, req.hash_root)
     for i in range(req.num_cached, full):
         cache.insert(hashes[i], req.blocks.blocks[i])
+    if claims is not None:
+        claims.cache_blocks(req.claims, hashes, req.num_cached, full)
     req.num_cached = full

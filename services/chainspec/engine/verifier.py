@@ -326,7 +326,7 @@ class VerifierEngine(DraftProtocol):
                                                      self.allocator.block_size)
             if req is None or not preemption.admit_blocks(req, self.allocator,
                                                           self.config.num_steps, spare,
-                                                          self.claims.snapshots):
+                                                          self.claims):
                 break  # nobody waits, or wait for blocks
             self.waiting.remove(req)
             sizes = [0] * self.config.groups
@@ -416,16 +416,17 @@ class VerifierEngine(DraftProtocol):
 
     def _advance_claims(self, req: Request, kept_row: int) -> None:
         """After a commit: the state after the last committed row is at `kept_row`
-        (DESIGN 4.9: nothing recomputed), and window blocks no row can see go back."""
+        (DESIGN 4.9: nothing recomputed)."""
         req.claims.state_row = kept_row
-        self.claims.trim(req.claims, req.num_computed)
 
     def _cache_committed(self, item: Work, accepted: int) -> None:
-        """Prefix caching (DESIGN 4.12): the committed full blocks, and a hybrid model's
-        states at their ends (engine/state_snapshots.py)."""
-        preemption.cache_committed(item.request, self.allocator)
+        """Prefix caching (DESIGN 4.12): the committed full blocks (window groups' too),
+        and a hybrid model's states at their ends (engine/state_snapshots.py); then the
+        window blocks no row can see go back (cached ones stay cached, idle)."""
+        preemption.cache_committed(item.request, self.allocator, self.claims)
         if self.claims.snapshots is not None:
             self.claims.snapshots.commit(item, accepted, self.allocator.block_size)
+        self.claims.trim(item.request.claims, item.request.num_computed)
 
     def _append_until_stop(self, req: Request, new: list[int]) -> list[int]:
         emitted = []
