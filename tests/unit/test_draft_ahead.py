@@ -262,13 +262,17 @@ def test_clock_fits_rows_in_the_shortest_recent_step() -> None:
     assert clock.rows_left(0.050) == 0
 
 
-def test_a_look_ahead_out_of_time_drafts_the_bonus_pass_alone() -> None:
+def test_a_look_ahead_short_of_time_drafts_less_or_nothing() -> None:
     k = 3
     engine, _, _, _, _, _ = _round_then_plan(k, True, (), ahead_rows=10_000)
     rng = random.Random(8)
     seq = Committed(rng, 9)
     engine.ahead_clock.rows_left = lambda now: 0  # the step is over
     engine.update([_ahead(prefill(1, seq))])
+    assert engine.look_ahead() == [] and engine.ahead_plan == []
+    upd = seq.extend(rng, 2)
+    engine.ahead_clock.rows_left = lambda now: (k - 1) + k  # the bonus pass's rows
+    engine.update([_ahead(SeqUpdate(1, upd.start, upd.tokens, upd.hidden))])
     entries = engine.look_ahead()
     assert [(e.seq_id, e.drafts.tokens.shape[0]) for e in entries] == [(1, k - 1)]
     engine.ahead_clock.rows_left = lambda now: 10_000

@@ -185,9 +185,10 @@ class DrafterEngine:
         on scratch blocks (copy-on-write), freed before returning. `ahead_plan` holds
         the hypotheses behind the entries, in the same order (best first per sequence).
 
-        Round 1: the bonus pass and the corrections (a < m); round 2, if it fits in the
-        verifier's step (`AheadClock`): the full-K drafts of the top bonus guesses
-        (a = m). Without it, the bonus pass's own row stands for a = m (K-1 drafts)."""
+        Round 1: the bonus pass and the corrections (a < m); round 2: the full-K drafts
+        of the top bonus guesses (a = m); both as far as they fit in the verifier's step
+        (`AheadClock`), none if not even the bonus pass does. Without round 2, the bonus
+        pass's own row stands for a = m (K-1 drafts)."""
         todo = self.pending_ahead() if todo is None else todo
         K, c = self.config.num_steps, self.config
         todo = [src for src in todo if src.seq_id in self.seqs and
@@ -235,9 +236,11 @@ class DrafterEngine:
         spent = sum(w.num_rows for w in windows)
         covered = {src.seq_id: lengths[src.seq_id][-1] / 2 for src in todo}
         budget = c.ahead_rows
-        if c.ahead_second_round is None:  # the bonus pass always; more as time allows
+        if c.ahead_second_round is None:  # as time allows
             left = self.ahead_clock.rows_left(time.perf_counter())
-            budget = budget if left is None else min(budget, max(left, spent))
+            if left is not None and left < spent:
+                return None  # NOTE: too late for this verdict: keep the drafter free
+            budget = budget if left is None else min(budget, left)
         fixes = select(fixes, budget, hist, covered, spent)
         windows += [self._hypothesis_window(h) for h in fixes]
         out = self._run_scratch(windows, [src.seq_id for src in todo] +
