@@ -20,9 +20,13 @@ gateways instead (one started with --no-enable-prefix-caching), streamed
 `/v1/completions` with token-id prompts, one thread per chat; TTFT is send to the first
 text chunk, and a reply's text is tokenized again (the demo tokenizer) for the next turn.
 
+With --hybrid the model is a random Qwen3.5 (Gated DeltaNet + full attention, one MTP
+layer) of the demo model's width, written to a temporary directory: its hits start from
+the recurrent-state snapshots at block boundaries (engine/state_snapshots.py).
+
 Usage: python benchmarks/prefix_cache.py [--chats 4] [--turns 4] [--system 1000]
-       [--url http://127.0.0.1:8001 http://127.0.0.1:8002]
-Writes benchmarks/results/prefix_cache[_serve].{json,md}.
+       [--hybrid] [--url http://127.0.0.1:8001 http://127.0.0.1:8002]
+Writes benchmarks/results/prefix_cache[_serve|_hybrid].{json,md}.
 """
 
 from __future__ import annotations
@@ -43,6 +47,19 @@ from chainspec.engine.sampling import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {"ttft_p50_ratio": 3.0, "throughput_ratio": 1.5}  # issue 23
+
+
+def hybrid_checkpoint(path: Path, max_len: int) -> Path:
+    """A random Qwen3.5 of the demo model's width: 12 layers (9 GDN, 3 full), one MTP
+    layer. NOTE: built with the tests' checkpoint writer (transformers' own model)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.unit.families.qwen3_5_checkpoint import write_checkpoint
+    write_checkpoint(path, seed=0, vocab_size=2048, hidden_size=128, intermediate_size=352,
+                     num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=32, linear_value_head_dim=32,
+                     max_position_embeddings=max_len)
+    return path
 
 
 def workload(args, vocab: int) -> tuple[list[int], list[list[list[int]]]]:
@@ -158,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reply", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hybrid", action="store_true",
+                   help="a random Qwen3.5 (GDN states snapshotted) instead of the demo model")
     p.add_argument("--url", nargs=2, metavar=("OFF_URL", "ON_URL"),
                    help="gateways of two running stacks, caching off and on")
     args = p.parse_args(argv)
@@ -165,8 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         return main_http(args, argv)
     torch.set_num_threads(1)
     max_len = args.system + args.turns * (args.user + args.reply) + 64
-    opts = {on: LocalOptions(max_seqs=args.chats, max_len=max_len, enable_prefix_caching=on)
-            for on in (False, True)}
+    model = {}
+    if args.hybrid:
+        import tempfile
+        model = {"model_dir": hybrid_checkpoint(Path(tempfile.mkdtemp()), max_len),
+                 "dtype": "float32"}
+    opts = {on: LocalOptions(max_seqs=args.chats, max_len=max_len, enable_prefix_caching=on,
+                             **model) for on in (False, True)}
     models = load_models(opts[True], speculative=True)
     system, users = workload(args, models.target.config.vocab_size)
     runs: dict[bool, list[dict]] = {False: [], True: []}
@@ -175,9 +199,14 @@ def main(argv: list[str] | None = None) -> int:
             engine = build_verifier(models, opts[on], speculative=True)
             runs[on].append(run(engine, system, users, args.reply))
     report = summarize(args, argv, runs)
+    name = "prefix_cache_hybrid" if args.hybrid else "prefix_cache"
+    if args.hybrid:
+        report["engine"] = ("VerifierEngine + in-process drafter (random Qwen3.5: 9 GDN + 3 "
+                            "full-attention layers, width 128, one MTP layer; K=3, CPU, fp32, "
+                            "1 thread)")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "prefix_cache.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "prefix_cache.md").write_text(markdown(report))
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown(report))
     print(json.dumps(report, indent=2))
     return 0 if report["identical"] else 1
 
