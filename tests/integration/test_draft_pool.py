@@ -16,6 +16,7 @@ import torch
 
 from chainspec.engine.draft_client import LocalDraftClient
 from chainspec.engine.draft_types import ErrorCode, SeqUpdate
+from chainspec.engine.drafter import DrafterConfig, DrafterEngine
 from chainspec.engine.request import FinishReason, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.rpc.draft_pool import DrafterMatch, GrpcDraftClient, LinkState
@@ -159,6 +160,27 @@ def test_draft_ahead_over_grpc_equals_plain(models, batch, plain, drafters) -> N
     assert client.stats.ahead_entries > 0
     assert eng.ahead_hits + eng.ahead_misses > 0
     assert client.stats.local_failures == 0
+
+
+def test_every_hypothesis_crosses_the_wire_and_output_stays_plain(models, batch, plain,
+                                                                   loop) -> None:
+    """Multi-hypothesis look-ahead over gRPC: each answer carries many entries per
+    sequence (all accept lengths x top-2 guesses, full K drafts), the verifier keeps them
+    all and takes the matching one; output stays plain."""
+    target, draft = models
+    eng = DrafterEngine(copy.deepcopy(draft), DrafterConfig(
+        num_steps=K, max_seqs=8, max_len=256, ahead_second_round=True, ahead_rows=10_000))
+    server = start_drafter(loop, eng)
+    client = GrpcDraftClient([server.address], round_deadline_s=PATIENT)
+    try:
+        got, _, verifier = _run(target, client, batch, 1, draft_ahead=True)
+    finally:
+        client.close()
+        loop.run(server.stop(0))
+    assert got == plain
+    answers = eng.ahead_rounds // 2  # two rounds each, one sequence at a time
+    assert client.stats.ahead_entries > 4 * answers > 0, "several hypotheses per answer"
+    assert verifier.ahead_hits + verifier.ahead_misses > 0
 
 
 def test_two_drafters_share_sequences(models, batch, plain, drafters) -> None:
