@@ -77,6 +77,12 @@ def test_a_hybrid_model_caches_prefixes_only_with_snapshots(models):
     on = engine(target, k=1, kv=_kv(40, True))
     assert on.allocator.cache is not None and on.claims.snapshots is not None
     assert on.claims.snapshots.count == 8 * 2  # default: max_seqs x kept rows (K+1)
+    target.tp = object()  # a TP leader: snapshots would be copied on rank 0 alone
+    try:
+        tp = engine(target, kv=_kv(40, True))
+    finally:
+        del target.tp
+    assert tp.allocator.cache is None and tp.claims.snapshots is None
     none = engine(target, kv=_kv(40, True, snapshots=0))
     assert none.allocator.cache is None and none.claims.snapshots is None
     off = engine(target, kv=_kv(40, False))
@@ -178,6 +184,7 @@ def test_a_second_request_computes_only_its_uncached_rows(models, k):
     # (its MTP KV reads the K tokens after it), so the hit ends at block 9's snapshot
     hit = 40 if k is None else 36
     assert eng.allocator.cache.hits == hit and rows.prefill["b"] == len(second) - hit
+    assert eng.resyncs == 0  # the drafter found its MTP KV of the hit cached as well
     assert got == _run_one(engine(target, draft if k else None, k=k or 1,
                                   kv=_kv(200, False)), "b", second)
     (h, state), = loads
