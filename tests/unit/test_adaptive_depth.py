@@ -10,6 +10,7 @@ import pytest
 
 from chainspec.engine.adaptive_depth import (
     EXPLORE_AFTER,
+    PROBE_PLAIN_AFTER,
     SWITCH_MARGIN,
     AdaptiveDepth,
     PositionCounts,
@@ -220,3 +221,23 @@ def test_time_between_steps_counts_as_the_steps_cost():
     # the round: worth it once every step costs 100 ms more anyway
     assert _served(0.0).depths(list(range(16)), [3] * 16) == [0] * 16
     assert _served(100.0).depths(list(range(16)), [3] * 16) == [3] * 16
+
+
+def test_work_that_drafting_brings_is_a_cost_of_drafting():
+    """Steps that asked for drafts leave 30 ms of other work, steps that did not 1 ms:
+    the 29 ms go to the draft round's price, the 1 ms to every step's."""
+    policy = AdaptiveDepth(num_steps=3)
+    for step in range(40):
+        asked = step % 4 == 0
+        policy.observe_step(2 + step % 2, 2.0, 30.0 if asked else 1.0, 5.0, asked=asked)
+    cost = policy.cost()
+    a = policy.forward.coefficients()[0]
+    assert cost.fixed_s == pytest.approx(a + 1.0)
+    assert cost.draft_s == pytest.approx(5.0 + 29.0)
+
+
+def test_drafting_policy_drafts_nothing_once_in_a_while():
+    policy = _learned(batch=1, accepted=3)
+    chosen = [policy.depths([0], [3])[0] for _ in range(PROBE_PLAIN_AFTER + 2)]
+    assert chosen[PROBE_PLAIN_AFTER] == 0
+    assert chosen.count(0) == 1 and chosen.count(3) == PROBE_PLAIN_AFTER + 1

@@ -14,7 +14,11 @@ Three guards keep the estimates honest under load: the draft round's cost is a r
 median of rounds with no prompt rows in them (a prompt's rows are the drafter's to take
 whatever the depth, and would price drafting out); switching drafting back on must beat
 plain by `SWITCH_MARGIN` (no flapping on noise); and after `EXPLORE_AFTER` plain steps
-one step asks for drafts again, so a load that fell is noticed.
+one step asks for drafts again, so a load that fell is noticed. The step's other work is
+measured apart for steps that asked for drafts and steps that did not: the drafter
+client's threads (decoding drafts, encoding rows) take the GIL from the step, a cost of
+drafting; after `PROBE_PLAIN_AFTER` drafting steps one step drafts nothing, so the plain
+side stays measured.
 
 `choose_depths` is the pure decision; `AdaptiveDepth` holds the estimates. Depth changes
 which drafts are verified, never how: the acceptance rule decides every token (3.3).
@@ -36,6 +40,7 @@ COST_WINDOW = 32  # steps in the rolling medians of the draft round and the over
 MIN_CLEAN = 4  # rounds without prompt rows before their median is trusted
 SWITCH_MARGIN = 0.02  # from plain, drafting must promise this much more tokens/s
 EXPLORE_AFTER = 64  # plain steps in a row before one asks for drafts again
+PROBE_PLAIN_AFTER = 128  # drafting steps in a row before one drafts nothing (re-measure)
 
 
 @dataclass(frozen=True)
@@ -159,9 +164,12 @@ class AdaptiveDepth:
     rounds: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # draft s
     clean_rounds: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
     overheads: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # s
+    plain_overheads: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
     plain_steps: int = 0  # steps in a row that chose no drafts
+    drafting_steps: int = 0  # steps in a row that chose some
     _last: tuple[bool, bool] = (False, False)  # the previous step asked, had prompt rows
-    _open: tuple[float, float, float] | None = None  # last step: start, busy s, overhead
+    _open: tuple[float, float, float, bool] | None = None  # last step: start, busy s,
+    # overhead, asked
 
     def __post_init__(self) -> None:
         if self.global_counts is None:
@@ -182,7 +190,11 @@ class AdaptiveDepth:
             return None
         rounds = self.clean_rounds if len(self.clean_rounds) >= MIN_CLEAN else self.rounds
         draft = statistics.median(rounds) if rounds else 0.0
-        overhead = statistics.median(self.overheads) if self.overheads else 0.0
+        drafting = statistics.median(self.overheads) if self.overheads else None
+        plain = statistics.median(self.plain_overheads) if self.plain_overheads else None
+        if drafting is not None and plain is not None:
+            draft += max(0.0, drafting - plain)  # the drafter client's threads' share
+        overhead = plain if plain is not None else drafting or 0.0
         return StepCost(fit[0] + overhead, fit[1], draft)
 
     def depths(self, keys: Sequence[Hashable], caps: Sequence[int],
@@ -193,9 +205,14 @@ class AdaptiveDepth:
         if self.plain_steps >= EXPLORE_AFTER:  # NOTE: re-measure the round: load may fall
             self.plain_steps = 0
             return list(caps)
+        if self.drafting_steps >= PROBE_PLAIN_AFTER:  # and a step without drafter traffic
+            self.drafting_steps = 0
+            return [0] * len(caps)
         margin = SWITCH_MARGIN if self.plain_steps else 0.0
         out = choose_depths([self.rates(k) for k in keys], caps, cost, other_rows, margin)
-        self.plain_steps = 0 if any(out) else self.plain_steps + 1
+        drafting = any(out)
+        self.plain_steps = 0 if drafting else self.plain_steps + 1
+        self.drafting_steps = self.drafting_steps + 1 if drafting else 0
         return out
 
     def observe_round(self, key: Hashable, num_drafts: int, accepted: int) -> None:
@@ -219,18 +236,22 @@ class AdaptiveDepth:
         if rows > 0:
             self.forward.add(rows, forward_s)
         if started_s is None:
-            self.overheads.append(max(0.0, overhead_s))
+            self._overheads(asked).append(max(0.0, overhead_s))
         else:
             if self._open is not None:  # NOTE: idle waits count too; the median sees past
-                start, busy, overhead = self._open
-                self.overheads.append(overhead + max(0.0, started_s - start - busy))
-            self._open = (started_s, forward_s + overhead_s + draft_s, max(0.0, overhead_s))
+                start, busy, overhead, was_asked = self._open
+                self._overheads(was_asked).append(overhead + max(0.0, started_s - start - busy))
+            self._open = (started_s, forward_s + overhead_s + draft_s, max(0.0, overhead_s),
+                          asked)
         asked_before, prompt_before = self._last
         if asked or asked_before:
             self.rounds.append(draft_s)
             if not (prompt_rows or prompt_before):
                 self.clean_rounds.append(draft_s)
         self._last = (asked, prompt_rows)
+
+    def _overheads(self, asked: bool) -> deque:
+        return self.overheads if asked else self.plain_overheads
 
     def forget(self, key: Hashable) -> None:
         self.seqs.pop(key, None)

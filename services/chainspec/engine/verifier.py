@@ -261,11 +261,12 @@ class VerifierEngine(DraftProtocol):
             keys = [self.seq_ids[work[i].request.request_id] for i in verify]
             caps = self.depth.depths(keys, caps, other)
         out = list(work)
+        drafting = any(caps)  # NOTE: a round runs anyway: every sequence that may draft asks
         for i, k in zip(verify, caps, strict=True):
             w = out[i]
             if k == 0 and (w.num_drafts or not w.request.wants_drafts):
                 w.request.draft_miss = "depth"  # NOTE: metrics: a fallback by choice
-            w.request.wants_drafts = k > 0
+            w.request.wants_drafts = k > 0 or (drafting and w.request.max_drafts > 0)
             if w.num_drafts > k:
                 out[i] = replace(w, tokens=w.tokens[:1 + k], num_drafts=k,
                                  ahead=w.ahead and k > 0)
