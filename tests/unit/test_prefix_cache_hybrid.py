@@ -247,6 +247,32 @@ def test_blocks_filled_by_accepted_drafts_are_cached_under_their_true_hashes():
     assert cache.num_cached == len(chain)
 
 
+def test_the_chunked_rule_gives_the_state_after_each_cut_row():
+    """Chunks end after every cut row (inside a chunk, at its end, the first row) and the
+    states there are the row form's; the outputs and the final state are unchanged."""
+    from chainspec.models.gated_deltanet import chunk_bounds, delta_rule_chunked, l2norm
+    from tests.unit.families.test_gated_deltanet import rows
+    assert chunk_bounds(37, 16, (3, 15, 31)) == [(0, 4), (4, 16), (16, 32), (32, 37)]
+    assert chunk_bounds(10, 16, (9,)) == [(0, 10)]  # the last row: the final state
+    gen = torch.Generator().manual_seed(0)
+    n, h, dk, dv = 37, 3, 8, 6
+    q = l2norm(torch.randn(n, h, dk, generator=gen)) * dk ** -0.5
+    k = l2norm(torch.randn(n, h, dk, generator=gen))
+    v = torch.randn(n, h, dv, generator=gen)
+    log_decay, beta = -torch.rand(n, h, generator=gen), torch.rand(n, h, generator=gen)
+    state = torch.randn(h, dk, dv, generator=gen)
+    cuts, states = [0, 3, 15, 20], []
+    out, final = delta_rule_chunked(q, k, v, log_decay, beta, state, cuts=cuts, states=states)
+    want_out, want_final = rows(q, k, v, log_decay, beta, state)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, want_final, atol=1e-5, rtol=1e-5)
+    assert len(states) == len(cuts)
+    for r, got in zip(cuts, states, strict=True):
+        _, want = rows(q[:r + 1], k[:r + 1], v[:r + 1], log_decay[:r + 1], beta[:r + 1],
+                       state)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 # -- windowed groups in their own pools (MiMo-V2-Flash: window 8, blocks of 4) -------------
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory):
