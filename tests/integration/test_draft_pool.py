@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from chainspec.engine import verifier as verifier_module
 from chainspec.engine.draft_client import LocalDraftClient
 from chainspec.engine.draft_types import ErrorCode, SeqUpdate
 from chainspec.engine.drafter import DrafterConfig, DrafterEngine
@@ -147,8 +148,9 @@ def test_prefix_cache_hits_reach_a_remote_drafter(models, drafters) -> None:
 
 
 def test_draft_ahead_over_grpc_equals_plain(models, batch, plain, drafters) -> None:
-    """Look-ahead responses cross the wire and reach the verifier before its verdicts
-    (hits and misses are counted only for look-aheads that did); output stays plain."""
+    """Two drafters, each timing its look-aheads to the verifier's step (on these tiny
+    models a step is shorter than a look-ahead, so most are skipped: the clock's
+    business); output stays plain. The hit path over the wire is the next test's."""
     target, _ = models
     servers = drafters(2)
     client = GrpcDraftClient([s.address for s in servers], round_deadline_s=PATIENT)
@@ -157,17 +159,22 @@ def test_draft_ahead_over_grpc_equals_plain(models, batch, plain, drafters) -> N
     finally:
         client.close()
     assert got == plain
-    assert client.stats.ahead_entries > 0
-    assert eng.ahead_hits + eng.ahead_misses > 0
     assert client.stats.local_failures == 0
 
 
 def test_every_hypothesis_crosses_the_wire_and_output_stays_plain(models, batch, plain,
-                                                                   loop) -> None:
+                                                                   loop, monkeypatch) -> None:
     """Multi-hypothesis look-ahead over gRPC: each answer carries many entries per
     sequence (all accept lengths x top-2 guesses, full K drafts), the verifier keeps them
-    all and takes the matching one; output stays plain."""
+    all and takes the matching one; output stays plain. The verifier's forward is made
+    as slow as a real one (20 ms), so look-aheads arrive before its verdicts."""
     target, draft = models
+    run_verify = verifier_module.run_verify
+
+    def slow(*args, **kw):
+        time.sleep(0.02)
+        return run_verify(*args, **kw)
+    monkeypatch.setattr(verifier_module, "run_verify", slow)
     eng = DrafterEngine(copy.deepcopy(draft), DrafterConfig(
         num_steps=K, max_seqs=8, max_len=256, ahead_second_round=True, ahead_rows=10_000))
     server = start_drafter(loop, eng)

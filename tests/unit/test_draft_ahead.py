@@ -140,7 +140,8 @@ def _prefix(seq: Committed, base: int) -> Committed:
 
 def test_look_ahead_leaves_the_real_cache_and_later_drafts_untouched() -> None:
     k, rng = 3, random.Random(4)
-    on, off = _engine(k, 2, True, graph_batch=2), _engine(k, 2, True, graph_batch=2)
+    on = _engine(k, 2, True, graph_batch=2, ahead_second_round=True)  # NOTE: no clock
+    off = _engine(k, 2, True, graph_batch=2)
     seqs = {i: Committed(rng, 4 + i) for i in range(3)}
     ups = [prefill(i, s) for i, s in seqs.items()]
     for _ in range(6):
@@ -281,3 +282,44 @@ def test_a_look_ahead_short_of_time_drafts_less_or_nothing() -> None:
     entries = engine.look_ahead()
     assert len(entries) == (k + 1) * engine.config.ahead_fanout
     assert all(e.drafts.tokens.shape[0] == k for e in entries)
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_early_look_ahead_on_a_hit_drafts_from_the_entrys_own_chain(chain) -> None:
+    """On an update that verifies one of its entries' drafts, the look-ahead runs before
+    the update's round: from the chain states that entry's round left, with the update's
+    true rows after the history. It changes no state, and the update then asks for no
+    look-ahead of its own."""
+    k, rng = 3, random.Random(21)
+    engine = _engine(k, 2, chain, ahead_rows=10_000, ahead_second_round=True)
+    twin = _engine(k, 2, chain)
+    seq = Committed(rng, 9)
+    for e in (engine, twin):
+        e.update([_ahead(prefill(0, seq))])
+    entries = engine.look_ahead()
+    hit = next(e for e in entries if e.drafts.tokens.shape == (k,))
+    src = engine._chained[(0, hit.drafts.position, tuple(hit.drafts.tokens.tolist()))]
+    rows = torch.randn(len(hit.outcome), seq.hidden.shape[1])  # the target's true h
+    start = len(seq.tokens) - 1
+    seq.tokens += list(hit.outcome)
+    seq.hidden = torch.cat([seq.hidden, rows])
+    upd = _ahead(SeqUpdate(0, start, hit.outcome, rows), tuple(hit.drafts.tokens.tolist()))
+    blocks = list(engine.seqs[0].blocks.blocks)
+    before = [t[b].clone() for t in engine.cache.keys + engine.cache.values for b in blocks]
+    early = engine.look_ahead_early([upd])
+    assert early and {e.base for e in early} == {start + len(hit.outcome)}
+    assert engine.seqs[0].next_start == start and engine.seqs[0].blocks.blocks == blocks
+    assert all(torch.equal(x, t[b]) for x, (t, b) in zip(
+        before, [(t, b) for t in engine.cache.keys + engine.cache.values for b in blocks],
+        strict=True))
+    # the bonus pass of the early look-ahead: true rows, then the entry's chain states
+    verify = hit.drafts.tokens.tolist()
+    bonus, _, _ = reference_round(engine.model, seq.tokens + verify,
+                                  torch.cat([seq.hidden, src.chain]), k, chain)
+    full = next(e for e, h in zip(early, engine.ahead_plan, strict=True)
+                if h.accepted == k and e.outcome[-1] == bonus[0])
+    assert full.drafts.tokens.shape == (k,)
+    (got,), (want,) = engine.update([upd]), twin.update([SeqUpdate(0, start, hit.outcome,
+                                                                   rows)])
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert engine.pending_ahead() == [], "its look-ahead already ran"

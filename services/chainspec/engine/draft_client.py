@@ -32,10 +32,12 @@ class LocalDraftClient:
 
     def __init__(self, engine: DrafterEngine) -> None:
         self.engine = engine
+        engine.ahead_clock = None  # NOTE: the step waits for look-aheads: none to fit in
         self._ready: dict[int, SeqOutcome] = {}
         self._ahead: dict[int, tuple[DraftAhead, ...]] = {}
 
     def submit(self, updates: Sequence[SeqUpdate]) -> None:
+        self._ahead.update(by_sequence(self.engine.look_ahead_early(updates)))
         for upd, outcome in zip(updates, self.engine.update(updates), strict=True):
             self._ready[upd.seq_id] = outcome
         self._ahead.update(by_sequence(self.engine.look_ahead()))

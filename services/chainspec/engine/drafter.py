@@ -110,9 +110,16 @@ class DrafterEngine:
         self._ahead: list[AheadSource] = []  # asked for by the last update, not yet run
         self.ahead_rounds = 0
         self.accept_rates = AcceptRates(c.num_steps)  # ranks look-ahead hypotheses
-        self.ahead_clock = AheadClock()  # does a second look-ahead round fit?
+        # how many look-ahead rows fit in the verifier's step; None: no bound but
+        # `ahead_rows` (in process, where the verifier waits for the look-ahead anyway)
+        self.ahead_clock: AheadClock | None = AheadClock()
         self.ahead_plan: list[Hypothesis] = []  # behind the last look-ahead's entries
         self._hist_rows: dict[int, int] = {}  # history rows of the last look-ahead's windows
+        # full-K entries' chain states at their last row: an early look-ahead's source,
+        # by (seq_id, the entry's drafts' position, the drafts)
+        self._chained: dict[tuple[int, int, tuple[int, ...]], AheadSource] = {}
+        self._early: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._early_done: set[int] = set()
         self._observed_prefix = (0, 0)  # prefix-cache counters the observer has seen
         graph_batch = min(c.max_graph_batch, c.max_seqs)
         buffers = StaticDraftBuffers(graph_batch, c.num_steps, self.hidden_size, c.max_len,
@@ -136,6 +143,7 @@ class DrafterEngine:
             state = self.seqs.pop(seq_id, None)
             if state is not None:
                 state.blocks.release(self.allocator)
+            self._chained = {k: s for k, s in self._chained.items() if k[0] != seq_id}
         if self.observer is not None:
             self._observe_occupancy()
 
@@ -143,7 +151,7 @@ class DrafterEngine:
     def update(self, updates: Sequence[SeqUpdate]) -> list[SeqOutcome]:
         """Apply updates and draft. Bad updates fail alone; the others proceed."""
         started = time.perf_counter()
-        if any(u.look_ahead for u in updates):
+        if self.ahead_clock is not None and any(u.look_ahead for u in updates):
             self.ahead_clock.update_started(started)
         outcomes: list[SeqOutcome | None] = [None] * len(updates)
         accepted: list[tuple[int, SeqUpdate, Window]] = []
@@ -166,8 +174,11 @@ class DrafterEngine:
             for row, (i, upd, window) in enumerate(accepted):
                 self._commit(upd, window)
                 outcomes[i] = self._result(upd, out, row)
-                if upd.look_ahead and upd.want_drafts and self.config.num_steps > 1:
+                if upd.seq_id in self._early_done:  # its look-ahead ran before it
+                    self.seqs[upd.seq_id].verifying = len(upd.verifying)
+                elif upd.look_ahead and upd.want_drafts and self.config.num_steps > 1:
                     self._ahead.append(self._ahead_source(upd, window, out, row))
+        self._early_done = set()
         if self.observer is not None:
             self._observe(started, windows, eager_reason, outcomes)
         return outcomes  # type: ignore[return-value]
@@ -192,16 +203,18 @@ class DrafterEngine:
         todo = self.pending_ahead() if todo is None else todo
         K, c = self.config.num_steps, self.config
         todo = [src for src in todo if src.seq_id in self.seqs and
-                self.seqs[src.seq_id].next_start == src.base and
+                self._base(src.seq_id) == src.base and
                 src.base + src.verify.shape[0] + 1 + K <= c.max_len]
         self.ahead_plan = []
         if not todo or self.cache.has_states:  # NOTE: scratch copies paged KV only
             return []
+        seqs = {src.seq_id for src in todo}
+        self._chained = {key: s for key, s in self._chained.items() if key[0] not in seqs}
         first = self._first_round(todo)
         if first is None:
             return []
         plan, entries, finals = first
-        if c.ahead_second_round is None:  # as many as fit in the verifier's step
+        if c.ahead_second_round is None and self.ahead_clock is not None:  # as fit
             left = self.ahead_clock.rows_left(time.perf_counter())
             finals = finals if left is None else _within(finals, left, self._hist_rows)
         if finals and c.ahead_second_round is not False:
@@ -227,16 +240,15 @@ class DrafterEngine:
                                       lengths[src.seq_id])]
         windows = []
         for src in todo:
-            st = self.seqs[src.seq_id]
             hidden, tokens = bonus_rows(src)
-            windows.append(history_window((), src.base, hidden, tokens, st.hist_hidden,
-                                          st.hist_tokens, src))
+            windows.append(history_window((), src.base, hidden, tokens,
+                                          *self._history(src.seq_id), src))
         hist = {src.seq_id: windows[i].num_rows - src.verify.shape[0]
                 for i, src in enumerate(todo)}
         spent = sum(w.num_rows for w in windows)
         covered = {src.seq_id: lengths[src.seq_id][-1] / 2 for src in todo}
         budget = c.ahead_rows
-        if c.ahead_second_round is None:  # as time allows
+        if c.ahead_second_round is None and self.ahead_clock is not None:  # as time allows
             left = self.ahead_clock.rows_left(time.perf_counter())
             if left is not None and left < spent:
                 return None  # NOTE: too late for this verdict: keep the drafter free
@@ -260,27 +272,72 @@ class DrafterEngine:
             finals += full_accepts(src, bonus[row], out.chain[row, 0], c.ahead_fanout,
                                    lengths[src.seq_id][-1])
         plan += fixes
-        entries += [ahead_entry(h, out, S + i, h.src.temperature > 0)
-                    for i, h in enumerate(fixes)]
+        entries += [self._chain_entry(h, out, S + i) for i, h in enumerate(fixes)]
         return plan, entries, select(finals, c.ahead_rows, hist, {s: 0.0 for s in hist})
 
     def _hypothesis_window(self, h: Hypothesis) -> Window:
-        st = self.seqs[h.src.seq_id]
-        return hypothesis_window(h, (), st.hist_hidden, st.hist_tokens)
+        return hypothesis_window(h, (), *self._history(h.src.seq_id))
+
+    def _history(self, seq_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The rows a look-ahead window starts with: the history rows, and on an early
+        look-ahead (`look_ahead_early`) the rows its update brings after them."""
+        if seq_id in self._early:
+            return self._early[seq_id][:2]
+        st = self.seqs[seq_id]
+        return st.hist_hidden, st.hist_tokens
+
+    def _base(self, seq_id: int) -> int:
+        """The bonus index a look-ahead for `seq_id` must start from."""
+        return self._early[seq_id][2] if seq_id in self._early else \
+            self.seqs[seq_id].next_start
+
+    @torch.inference_mode()
+    def look_ahead_early(self, updates: Sequence[SeqUpdate]) -> list[DraftAhead]:
+        """Look-aheads for updates that verify the drafts of an entry this drafter
+        proposed (a hit), before those updates run: from the chain states that entry's
+        own round left at its last row, the update's rows (true h) extending the
+        history. Their entries are on the wire one exact round earlier, inside the
+        verifier's forward; the updates then ask for no look-ahead of their own.
+        Changes no sequence state."""
+        todo = []
+        for u in updates:
+            st = self.seqs.get(u.seq_id)
+            src = self._chained.get((u.seq_id, u.end, u.verifying))
+            if src is None or st is None or not u.look_ahead or not u.want_drafts or \
+                    u.start != st.next_start or st.hist_hidden is None:
+                continue
+            hidden = torch.cat([st.hist_hidden, u.hidden.to(self.dtype)])
+            tokens = torch.cat([st.hist_tokens, torch.tensor(u.tokens, dtype=torch.int64)])
+            self._early[u.seq_id] = (hidden, tokens, u.end)
+            todo.append(src)
+        try:
+            entries = self.look_ahead(todo) if todo else []
+        finally:
+            self._early_done = set(self._early)
+            self._early = {}
+        return entries
 
     @torch.inference_mode()
     def draft_hypotheses(self, hyps: list[Hypothesis]) -> list[DraftAhead]:
         """One draft round over the hypotheses' windows: their entries, in hyps' order."""
         hyps = [h for h in hyps if h.src.seq_id in self.seqs and
-                self.seqs[h.src.seq_id].next_start == h.src.base]
+                self._base(h.src.seq_id) == h.src.base]
         if not hyps:
             return []
         out = self._run_scratch([self._hypothesis_window(h) for h in hyps],
                                 [h.src.seq_id for h in hyps])
         if out is None:
             return []
-        return [ahead_entry(h, out, row, h.src.temperature > 0)
-                for row, h in enumerate(hyps)]
+        return [self._chain_entry(h, out, row) for row, h in enumerate(hyps)]
+
+    def _chain_entry(self, h: Hypothesis, out: DraftOutput, row: int) -> DraftAhead:
+        """A full-K entry, its chain states kept for an early look-ahead on its hit."""
+        entry = ahead_entry(h, out, row, h.src.temperature > 0)
+        d = entry.drafts
+        self._chained[(d.seq_id, d.position, tuple(d.tokens.tolist()))] = AheadSource(
+            d.seq_id, d.position, d.tokens, out.chain[row].clone(), h.src.temperature,
+            h.src.seed)
+        return entry
 
     def _run_scratch(self, windows: list[Window], seq_ids: list[int]) -> DraftOutput | None:
         """Run `windows` (their blocks unset) of `seq_ids` on scratch blocks; None when
@@ -301,8 +358,9 @@ class DrafterEngine:
         finally:
             self.allocator.free(held)
         self.ahead_rounds += 1
-        self.ahead_clock.round_done(sum(w.num_rows for w in ready),
-                                    time.perf_counter() - started)
+        if self.ahead_clock is not None:
+            self.ahead_clock.round_done(sum(w.num_rows for w in ready),
+                                        time.perf_counter() - started)
         return out
 
     def _scratch(self, seq_id: int, w: Window) -> list[int] | None:

@@ -33,6 +33,7 @@ from chainspec.engine.draft_types import (
     SeqFailure,
     SeqOutcome,
     SeqUpdate,
+    UpdateBatch,
 )
 from chainspec.engine.drafter import DrafterEngine
 from chainspec.engine.fingerprint import model_fingerprint
@@ -109,7 +110,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 if self.trace is not None:
                     self.trace.mark(request.batch_id, "d_recv")
                 # NOTE: on the loop's thread (the engine's); see the module docstring
-                response = self.answer(stream, request)
+                decoded = self.decode(request)
+                early = self.look_ahead_early(stream, request.batch_id, decoded[0])
+                if early is not None:  # a hit's look-ahead, before its exact round
+                    yield early
+                response = self.answer(stream, request, decoded)
                 pending = self.engine.pending_ahead()  # NOTE: before another stream's round
                 if self.trace is not None:
                     self.trace.mark(request.batch_id, "d_send")
@@ -161,13 +166,19 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         held when they ended, on the loop."""
 
     # -- one request, on the loop's thread -------------------------------------------
-    def answer(self, stream: _Stream, request: pb.DraftRequest) -> pb.DraftResponse:
+    def decode(self, request: pb.DraftRequest):
+        """The request's (UpdateBatch, per-update failures)."""
+        if self.trace is not None:
+            self.trace.mark(request.batch_id, "d_start")
+        decoded = decode_draft_request(request, self.limits)
+        if self.trace is not None:
+            self.trace.mark(request.batch_id, "d_decoded")
+        return decoded
+
+    def answer(self, stream: _Stream, request: pb.DraftRequest,
+               decoded=None) -> pb.DraftResponse:
         trace = self.trace
-        if trace is not None:
-            trace.mark(request.batch_id, "d_start")
-        batch, failures = decode_draft_request(request, self.limits)
-        if trace is not None:
-            trace.mark(request.batch_id, "d_decoded")
+        batch, failures = decoded if decoded is not None else self.decode(request)
         self._release(stream, batch.releases)
         if self.draining:
             results = self._refuse(stream, batch.updates)
@@ -213,12 +224,26 @@ class DrafterServicer(pb_grpc.DrafterServicer):
     def look_ahead(self, stream: _Stream, batch_id: int,
                    pending: list[AheadSource]) -> pb.DraftResponse | None:
         """The look-ahead response to `batch_id`, under the verifier's ids."""
+        return self._ahead_response(stream, batch_id, lambda: self.engine.look_ahead(pending))
+
+    def look_ahead_early(self, stream: _Stream, batch_id: int,
+                         batch: UpdateBatch) -> pb.DraftResponse | None:
+        """The look-ahead for updates that verify one of our entries, ahead of the
+        batch's own round (DrafterEngine.look_ahead_early)."""
+        if self.draining or not any(u.verifying for u in batch.updates):
+            return None
+        scoped = [replace(u, seq_id=stream.ids[u.seq_id]) for u in batch.updates
+                  if u.verifying and u.seq_id in stream.ids]
+        return self._ahead_response(stream, batch_id,
+                                    lambda: self.engine.look_ahead_early(scoped))
+
+    def _ahead_response(self, stream: _Stream, batch_id: int, run) -> pb.DraftResponse | None:
         back = {eid: sid for sid, eid in stream.ids.items()}
         if self.trace is not None:
             self.trace.mark(batch_id, "d_ahead_start")
         entries = [replace(e, seq_id=back[e.seq_id],
                            drafts=replace(e.drafts, seq_id=back[e.seq_id]))
-                   for e in self.engine.look_ahead(pending) if e.seq_id in back]
+                   for e in run() if e.seq_id in back]
         if self.trace is not None:
             self.trace.mark(batch_id, "d_ahead_end")
         return encode_ahead_response(batch_id, entries) if entries else None
