@@ -97,8 +97,15 @@ def run(models, opts: LocalOptions, prompts, max_tokens: int, groups: int, port:
 def spans(r: dict) -> dict[str, list[tuple[int, int, int]]]:
     """Per lane: (start_ns, end_ns, group) spans."""
     marks: dict[int, dict[str, int]] = {}
+    recv: dict[int, list[int]] = {}
     for batch_id, hop, t in [*r["verifier_marks"], *r["drafter_marks"]]:
-        marks.setdefault(batch_id, {}).setdefault(hop, t)  # NOTE: v_recv: the exact answer
+        marks.setdefault(batch_id, {}).setdefault(hop, t)
+        if hop == "v_recv":
+            recv.setdefault(batch_id, []).append(t)
+    for batch_id, m in marks.items():  # NOTE: the exact answer's, not an early look-ahead's
+        if "d_send" in m:
+            m["v_recv"] = min((t for t in recv.get(batch_id, ()) if t >= m["d_send"]),
+                              default=m.get("v_recv", m["d_send"]))
     out: dict[str, list] = {"verifier forward": [], "verifier waits for drafts": [],
                             "wire": [], "drafter compute": [], "drafter look-ahead": []}
     for group, started, drafts_in, finished in r["steps"]:
