@@ -11,6 +11,8 @@ import pytest
 from chainspec.engine.adaptive_depth import (
     EXPLORE_AFTER,
     PROBE_PLAIN_AFTER,
+    PROBE_SOON,
+    SPELL,
     SWITCH_MARGIN,
     AdaptiveDepth,
     PositionCounts,
@@ -195,9 +197,9 @@ def test_plain_policy_asks_for_drafts_again_after_a_while():
     policy = _policy_with_rounds(clean_s=100.0, prompt_s=0.0, prompt_steps=0)
     for _ in range(10):
         policy.observe_round(0, 3, 3)
-    chosen = [policy.depths([0], [3])[0] for _ in range(2 * EXPLORE_AFTER + 2)]
-    assert chosen.count(3) == 2 and chosen.count(0) == 2 * EXPLORE_AFTER  # one probe each
-    assert chosen[EXPLORE_AFTER] == 3
+    n = EXPLORE_AFTER + SPELL
+    chosen = [policy.depths([0], [3])[0] for _ in range(2 * n)]
+    assert chosen == ([0] * EXPLORE_AFTER + [3] * SPELL) * 2  # a spell at full depth each
 
 
 def _served(gap_s: float) -> AdaptiveDepth:
@@ -238,6 +240,32 @@ def test_work_that_drafting_brings_is_a_cost_of_drafting():
 
 def test_drafting_policy_drafts_nothing_once_in_a_while():
     policy = _learned(batch=1, accepted=3)
-    chosen = [policy.depths([0], [3])[0] for _ in range(PROBE_PLAIN_AFTER + 2)]
-    assert chosen[PROBE_PLAIN_AFTER] == 0
-    assert chosen.count(0) == 1 and chosen.count(3) == PROBE_PLAIN_AFTER + 1
+    chosen = [policy.depths([0], [3])[0] for _ in range(PROBE_SOON + SPELL + 1)]
+    assert chosen == [3] * PROBE_SOON + [0] * SPELL + [3]
+    # once drafting measured a clear lead at this batch size, far less often
+    for tokens_per_s, drafted in ((4.0, True), (1.0, False)) * 3:
+        policy.gate.add(1, drafted, int(tokens_per_s), 1.0)
+    chosen = [policy.depths([0], [3])[0] for _ in range(PROBE_PLAIN_AFTER - 1 + SPELL)]
+    assert chosen == [3] * (PROBE_PLAIN_AFTER - 1) + [0] * SPELL  # 1: the step above
+
+
+def _gated(drafted_tps: float, plain_tps: float) -> AdaptiveDepth:
+    """A policy whose model says draft (batch 1, all accepted), with measured steps."""
+    policy = _learned(batch=1, accepted=3)
+    t = 0.0
+    for step in range(12):  # alternate steps that verified drafts and plain ones
+        drafted = step % 4 < 2
+        seconds = 1.0 / (drafted_tps if drafted else plain_tps)
+        policy.observe_step(1, 0.5, 0.0, 0.0, asked=drafted, started_s=t, batch=1,
+                            tokens=1, verified=drafted)
+        t += seconds
+    return policy
+
+
+def test_gate_turns_drafting_off_where_plain_measured_faster():
+    assert _gated(2.0, 1.0).gate.lead(1) == pytest.approx(2.0)
+    assert _gated(2.0, 1.0).depths([0], [3]) == [3]
+    slow = _gated(0.8, 1.0)
+    assert slow.gate.lead(1) == pytest.approx(0.8)
+    assert slow.depths([0], [3]) == [0]
+    assert slow.gate.lead(64) is None  # another batch size: not measured there

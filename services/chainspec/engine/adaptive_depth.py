@@ -17,8 +17,13 @@ plain by `SWITCH_MARGIN` (no flapping on noise); and after `EXPLORE_AFTER` plain
 one step asks for drafts again, so a load that fell is noticed. The step's other work is
 measured apart for steps that asked for drafts and steps that did not: the drafter
 client's threads (decoding drafts, encoding rows) take the GIL from the step, a cost of
-drafting; after `PROBE_PLAIN_AFTER` drafting steps one step drafts nothing, so the plain
-side stays measured.
+drafting. Last, the gate (`ModeGate`): the tokens per second steps actually made, from one
+step's start to the next, with drafts verified against with no drafter traffic at all,
+per batch-size bucket. It sees what the cost model cannot (the drafter's process taking
+the host's cores, the wire), and where plain measured faster, nobody drafts. Probe
+spells keep both sides measured: after `PROBE_PLAIN_AFTER` drafting steps (`PROBE_SOON`
+until drafting measured a clear lead) `SPELL` steps draft nothing, after `EXPLORE_AFTER`
+plain steps `SPELL` steps draft at the caps.
 
 `choose_depths` is the pure decision; `AdaptiveDepth` holds the estimates. Depth changes
 which drafts are verified, never how: the acceptance rule decides every token (3.3).
@@ -40,7 +45,11 @@ COST_WINDOW = 32  # steps in the rolling medians of the draft round and the over
 MIN_CLEAN = 4  # rounds without prompt rows before their median is trusted
 SWITCH_MARGIN = 0.02  # from plain, drafting must promise this much more tokens/s
 EXPLORE_AFTER = 64  # plain steps in a row before one asks for drafts again
-PROBE_PLAIN_AFTER = 128  # drafting steps in a row before one drafts nothing (re-measure)
+PROBE_PLAIN_AFTER = 256  # drafting steps in a row before a plain spell, once drafting
+CLEAR_LEAD = 1.25  # measured this lead at the batch's size;
+PROBE_SOON = 32  # until then
+SPELL = 4  # steps of a probe spell (its first one only stops the drafter traffic)
+GATE_MIN = 2  # measured steps of each kind, at the batch's size, before the gate decides
 
 
 @dataclass(frozen=True)
@@ -154,6 +163,32 @@ class _LinearFit:
 
 
 @dataclass
+class ModeGate:
+    """Measured tokens per second of steps that verified drafts and of steps with no
+    drafter traffic, per batch-size bucket (powers of two): rolling medians."""
+
+    samples: dict[tuple[int, bool], deque] = field(default_factory=dict)
+
+    def add(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if batch > 0 and seconds > 0:
+            key = (batch.bit_length(), drafted)
+            self.samples.setdefault(key, deque(maxlen=COST_WINDOW)).append(tokens / seconds)
+
+    def lead(self, batch: int) -> float | None:
+        """Drafting's tokens/s over plain's at this batch size (None until both kinds
+        have GATE_MIN steps there)."""
+        drafted = self.samples.get((batch.bit_length(), True), ())
+        plain = self.samples.get((batch.bit_length(), False), ())
+        if len(drafted) < GATE_MIN or len(plain) < GATE_MIN:
+            return None
+        return statistics.median(drafted) / statistics.median(plain)
+
+    def plain_faster(self, batch: int, margin: float = 0.0) -> bool:
+        lead = self.lead(batch)
+        return lead is not None and lead < 1 + margin
+
+
+@dataclass
 class AdaptiveDepth:
     """The estimates behind `choose_depths`, fed by the verifier after each step."""
 
@@ -167,9 +202,10 @@ class AdaptiveDepth:
     plain_overheads: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
     plain_steps: int = 0  # steps in a row that chose no drafts
     drafting_steps: int = 0  # steps in a row that chose some
+    gate: ModeGate = field(default_factory=lambda: ModeGate())
+    spell: tuple[int, bool] = (0, False)  # probe steps left, and whether they draft
     _last: tuple[bool, bool] = (False, False)  # the previous step asked, had prompt rows
-    _open: tuple[float, float, float, bool] | None = None  # last step: start, busy s,
-    # overhead, asked
+    _open: tuple | None = None  # the last step: start, busy s, overhead, asked, gate sample
 
     def __post_init__(self) -> None:
         if self.global_counts is None:
@@ -202,14 +238,20 @@ class AdaptiveDepth:
         cost = self.cost()
         if cost is None:
             return list(caps)
-        if self.plain_steps >= EXPLORE_AFTER:  # NOTE: re-measure the round: load may fall
-            self.plain_steps = 0
-            return list(caps)
-        if self.drafting_steps >= PROBE_PLAIN_AFTER:  # and a step without drafter traffic
-            self.drafting_steps = 0
-            return [0] * len(caps)
+        if self.plain_steps >= EXPLORE_AFTER:  # NOTE: re-measure drafting: load may fall
+            self.plain_steps, self.spell = 0, (SPELL, True)
+        lead = self.gate.lead(len(caps)) or 0.0
+        period = PROBE_PLAIN_AFTER if lead >= CLEAR_LEAD else PROBE_SOON
+        if self.drafting_steps >= period:  # and plain, without drafter traffic
+            self.drafting_steps, self.spell = 0, (SPELL, False)
+        left, draft = self.spell
+        if left:
+            self.spell = (left - 1, draft)
+            return list(caps) if draft else [0] * len(caps)
         margin = SWITCH_MARGIN if self.plain_steps else 0.0
         out = choose_depths([self.rates(k) for k in keys], caps, cost, other_rows, margin)
+        if any(out) and self.gate.plain_faster(len(caps), margin):
+            out = [0] * len(caps)
         drafting = any(out)
         self.plain_steps = 0 if drafting else self.plain_steps + 1
         self.drafting_steps = self.drafting_steps + 1 if drafting else 0
@@ -224,7 +266,8 @@ class AdaptiveDepth:
 
     def observe_step(self, rows: int, forward_s: float, overhead_s: float, draft_s: float,
                      asked: bool, prompt_rows: bool = False,
-                     started_s: float | None = None) -> None:
+                     started_s: float | None = None, batch: int = 0, tokens: int = 0,
+                     verified: bool = False) -> None:
         """A step ran `rows` rows in `forward_s`; `overhead_s`: its other work but the
         drafter's; `draft_s`: its time in the drafter client (the wait for drafts, and
         an in-process drafter's round); `asked`: it asked for drafts; `prompt_rows`: it
@@ -232,18 +275,23 @@ class AdaptiveDepth:
         time until the next step starts to this step's overhead: a server's threads
         (streaming, the RPC server) take it from every step, more per step than the
         step itself on a busy host. NOTE: a remote round's wait falls in the step after
-        the one that asked, so both steps' flags qualify a sample."""
+        the one that asked, so both steps' flags qualify a sample. `batch`, `tokens`,
+        `verified`: its sequences, the tokens it committed, whether it verified drafts
+        (the gate's sample, with `started_s`)."""
         if rows > 0:
             self.forward.add(rows, forward_s)
+        asked_before, prompt_before = self._last
         if started_s is None:
             self._overheads(asked).append(max(0.0, overhead_s))
         else:
             if self._open is not None:  # NOTE: idle waits count too; the median sees past
-                start, busy, overhead, was_asked = self._open
+                start, busy, overhead, was_asked, sample = self._open
                 self._overheads(was_asked).append(overhead + max(0.0, started_s - start - busy))
+                if sample is not None:
+                    self.gate.add(*sample, started_s - start)
+            kind = True if verified else None if asked or asked_before else False
             self._open = (started_s, forward_s + overhead_s + draft_s, max(0.0, overhead_s),
-                          asked)
-        asked_before, prompt_before = self._last
+                          asked, None if kind is None else (batch, kind, tokens))
         if asked or asked_before:
             self.rounds.append(draft_s)
             if not (prompt_rows or prompt_before):

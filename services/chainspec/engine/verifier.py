@@ -280,9 +280,13 @@ class VerifierEngine(DraftProtocol):
             if w.kind is WorkKind.VERIFY and w.num_drafts:
                 self.depth.observe_round(self.seq_ids[w.request.request_id], w.num_drafts,
                                          verdict.accepted)
+        verify = [(w, v) for w, v in zip(work, verdicts, strict=True)
+                  if w.kind is WorkKind.VERIFY]
         self.depth.observe_step(sum(w.num_rows for w in work), forward_s, overhead_s, draft_s,
                                 any(u.want_drafts for u in updates),
-                                any(w.kind is WorkKind.PREFILL for w in work), started)
+                                any(w.kind is WorkKind.PREFILL for w in work), started,
+                                len(verify), sum(v.accepted + 1 for _, v in verify),
+                                any(w.num_drafts for w, _ in verify))
 
     def _observe(self, started: float, drafts_ready: float, work, verdicts, outputs) -> None:
         if self.observer is None:
