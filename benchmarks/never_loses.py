@@ -129,9 +129,10 @@ def points(args) -> list[LoadPoint]:
 
 
 def requests_for(point: LoadPoint, args) -> int:
-    """Closed loop: at least two requests per slot, so the point is not all ramp."""
+    """Closed loop: at least three requests per slot, so the point is not all ramp (and
+    an online policy sees some steps at that batch size)."""
     if point.kind is LoadKind.CONCURRENCY:
-        return max(args.num_prompts, 2 * int(point.value))
+        return max(args.num_prompts, 3 * int(point.value))
     return max(args.num_prompts, int(4 * point.value))
 
 
