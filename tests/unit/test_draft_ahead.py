@@ -257,10 +257,11 @@ def test_clock_fits_rows_in_the_shortest_recent_step() -> None:
     assert clock.rows_left(0.0) is None, "nothing measured: no bound yet"
     for t in (0.0, 0.010, 0.030, 0.040):  # steps of 10, 20, 10 ms: 10 ms is the step
         clock.update_started(t)
-    clock.round_done(rows=10, seconds=0.001)  # 0.1 ms a row
-    assert clock.rows_left(0.040) == 50  # half of 10 ms
-    assert clock.rows_left(0.043) == 20
-    assert clock.rows_left(0.050) == 0
+    clock.exact_done(0.002)  # a round's fixed cost: 2 ms
+    clock.round_done(rows=10, seconds=0.003)  # and 0.1 ms a row beyond it
+    assert clock.rows_left(0.03995) == 30  # (half of 10 ms, less 2 ms) / 0.1 ms: 30.5
+    assert clock.rows_left(0.04195) == 10  # 10.5 rows
+    assert clock.rows_left(0.0435) == 0, "not even a round's fixed cost fits"
 
 
 def test_a_look_ahead_short_of_time_drafts_less_or_nothing() -> None:

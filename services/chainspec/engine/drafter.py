@@ -170,6 +170,8 @@ class DrafterEngine(DraftAheadRounds):
                 elif upd.look_ahead and upd.want_drafts and self.config.num_steps > 1:
                     self._ahead.append(self._ahead_source(upd, window, out, row))
         self._early_done = set()
+        if self.ahead_clock is not None and self._ahead:
+            self.ahead_clock.exact_done(time.perf_counter() - started)
         if self.observer is not None:
             self._observe(started, windows, eager_reason, outcomes)
         return outcomes  # type: ignore[return-value]

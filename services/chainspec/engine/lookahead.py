@@ -207,14 +207,16 @@ class AheadClock:
     """How many look-ahead rows fit before the verifier's step ends: past that, the next
     exact update would wait behind the look-ahead, and its entries arrive after the
     verdict they guess. The step is taken as the shortest recent interval between updates
-    that ask for look-aheads (a step that waited for drafts is longer; a hit's is not);
-    a row's cost as an exponential average over look-ahead rounds."""
+    that ask for look-aheads (a step that waited for drafts is longer; a hit's is not).
+    A round costs a fixed part, taken as the exact round's time (on a CPU most of a small
+    round is per-layer overhead), plus a part per row, both exponential averages."""
 
     def __init__(self, share: float = 0.8, recent: int = 8, smoothing: float = 0.3) -> None:
         self.share = share  # of the step the look-ahead may end by
         self.smoothing = smoothing
         self.gaps: collections.deque[float] = collections.deque(maxlen=recent)
-        self.row_s: float | None = None  # seconds per look-ahead row
+        self.round_s: float | None = None  # a round's fixed cost
+        self.row_s: float | None = None  # seconds per look-ahead row beyond it
         self._last: float | None = None
         self._update_started = 0.0
 
@@ -223,17 +225,26 @@ class AheadClock:
             self.gaps.append(now - self._last)
         self._last = self._update_started = now
 
+    def exact_done(self, seconds: float) -> None:
+        self.round_s = self._average(self.round_s, seconds)
+
     def round_done(self, rows: int, seconds: float) -> None:
-        per_row = seconds / max(rows, 1)
-        self.row_s = per_row if self.row_s is None else \
-            self.row_s + self.smoothing * (per_row - self.row_s)
+        if self.round_s is not None:
+            self.row_s = self._average(self.row_s, max(0.0, seconds - self.round_s) /
+                                       max(rows, 1))
 
     def rows_left(self, now: float) -> int | None:
-        """Rows that still fit in this step; None while nothing is measured yet."""
-        if not self.gaps or self.row_s is None:
+        """Rows a look-ahead round may still have in this step (0: no round fits); None
+        while nothing is measured yet."""
+        if not self.gaps or self.round_s is None:
             return None
-        left = self.share * min(self.gaps) - (now - self._update_started)
-        return max(0, int(left / self.row_s))
+        left = self.share * min(self.gaps) - (now - self._update_started) - self.round_s
+        if left < 0:
+            return 0
+        return 10 ** 9 if not self.row_s else int(left / self.row_s)
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
 
 
 def hypothesis_window(h: Hypothesis, blocks: tuple[int, ...],
