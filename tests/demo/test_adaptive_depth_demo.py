@@ -22,6 +22,8 @@ STOP = StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True)
 class RandomDepth:
     """A stand-in policy choosing k uniformly in 0..cap: output must not depend on it."""
 
+    plain_steps = 0  # new prompts ask for drafts
+
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.chosen: list[int] = []
@@ -118,9 +120,12 @@ class PlainSpells(RandomDepth):
         super().__init__(0)
         self.engine, self.start, self.stop = engine, start, stop
 
+    @property
+    def plain_steps(self) -> int:
+        return int(self.start <= self.engine.steps < self.stop)
+
     def depths(self, keys, caps, other_rows=0):
-        off = self.start <= self.engine.steps < self.stop
-        return [0] * len(caps) if off else list(caps)
+        return [0] * len(caps) if self.plain_steps else list(caps)
 
 
 def test_steps_that_draft_nothing_run_no_draft_round(demo_models, heldout_prompts, plain):
@@ -141,3 +146,24 @@ def test_steps_that_draft_nothing_run_no_draft_round(demo_models, heldout_prompt
     assert all(len(u.tokens) >= 8 for u in resumed)  # the held rows went with it
     stats = merged_stats(completions, opts.num_steps)
     assert stats.accepted_tokens > 0.3 * stats.draft_tokens  # the drafter stayed in sync
+
+
+def test_prompts_that_arrive_while_nobody_drafts_wait_too(demo_models, heldout_prompts, plain):
+    """Prompts admitted in a plain spell send the drafter nothing; their first update
+    asks from position 0, prompt and output rows together."""
+    opts, models = demo_models
+    opts = dataclasses.replace(opts, num_steps=3, speculative_depth="adaptive")
+    eng = build_verifier(models, opts, True)
+    eng.depth = PlainSpells(eng, 0, 10)
+    sent: list[tuple[int, list]] = []
+    inner = eng.drafter.submit
+    eng.drafter.submit = lambda updates: (sent.append((eng.steps, list(updates))),
+                                          inner(updates))[1]
+    tokens, completions = run(eng, heldout_prompts[:2], 2)
+    assert tokens == plain[:2]
+    assert sent and sent[0][0] >= 10
+    first = sent[0][1]
+    assert [u.start for u in first] == [0, 0]
+    assert all(len(u.tokens) > len(p) for u, p in zip(first, heldout_prompts, strict=False))
+    stats = merged_stats(completions, opts.num_steps)
+    assert stats.accepted_tokens > 0.3 * stats.draft_tokens

@@ -256,12 +256,18 @@ class VerifierEngine(DraftProtocol):
         is still decided by the acceptance rule, so output cannot change."""
         verify = [i for i, w in enumerate(work) if w.kind is WorkKind.VERIFY]
         caps = [work[i].request.max_drafts for i in verify]
-        if self.depth is not None and self.drafter is not None:
+        adaptive = self.depth is not None and self.drafter is not None
+        if adaptive and verify:
             other = sum(w.num_rows for w in work if w.kind is not WorkKind.VERIFY)
             keys = [self.seq_ids[work[i].request.request_id] for i in verify]
             caps = self.depth.depths(keys, caps, other)
         out = list(work)
         drafting = any(caps)  # NOTE: a round runs anyway: every sequence that may draft asks
+        if adaptive:  # a new prompt asks for drafts only while others draft (or none run)
+            drafting = drafting if verify else not self.depth.plain_steps
+            for w in work:
+                if w.kind is WorkKind.PREFILL:
+                    w.request.wants_drafts = drafting and w.request.max_drafts > 0
         for i, k in zip(verify, caps, strict=True):
             w = out[i]
             if k == 0 and (w.num_drafts or not w.request.wants_drafts):

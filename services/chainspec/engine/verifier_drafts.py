@@ -143,7 +143,9 @@ class DraftProtocol:
         wants = (verdict is not None or item.start + rows == req.recompute_len) and \
             req.wants_drafts
         start = item.start
-        if item.kind is WorkKind.VERIFY and not ahead:
+        # NOTE: a prompt is held only from 0 (a prefix hit opens from the drafter's cache)
+        holds = item.kind is WorkKind.VERIFY or (not req.wants_drafts and req.prefix_hit == 0)
+        if holds and not ahead:
             held = self._hold(req, start, tokens, hidden, wants)
             if held is None:
                 return None
