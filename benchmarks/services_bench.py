@@ -286,12 +286,16 @@ def median_run(runs: list[dict]) -> dict:
 
 def ahead_acceptance(run: dict, k: int) -> dict:
     """Acceptance length of the draft-ahead mode's rounds that verified a hit's drafts
-    and of the others (exact drafts). NOTE: a hit round verifies K drafts."""
+    and of the others (exact drafts). NOTE: a hit's next round verifies its entry (K
+    drafts, or K-1 from a bonus pass alone), unless the hit ended its request: hit rounds
+    are counted as hits, a slight overcount."""
     counts = run["ahead_rank_hits"]  # NOTE: summed over the runs
-    hit_rounds = counts.get("drafts", 0) / k
+    hit_rounds = sum(n for r, n in counts.items() if r.isdigit())
     rounds, accepted = counts["rounds"], counts["all_accepted"]
     hit_acc = counts.get("accepted", 0)
-    return {"grpc_ahead_al_hit": 1 + hit_acc / hit_rounds if hit_rounds else None,
+    return {"grpc_ahead_hit_drafts": counts.get("drafts", 0) / hit_rounds
+            if hit_rounds else None,
+            "grpc_ahead_al_hit": 1 + hit_acc / hit_rounds if hit_rounds else None,
             "grpc_ahead_al_exact": 1 + (accepted - hit_acc) / (rounds - hit_rounds)
             if rounds > hit_rounds else None}
 
@@ -371,14 +375,17 @@ def markdown(rows: list[dict], meta: dict) -> str:
                      f"| {r['grpc_ahead_acceptance_length']:.2f} |")
     lines += ["", "Draft-ahead hits by rank of the matching hypothesis (0: the likeliest; "
               "all runs), and acceptance length of rounds verifying a hit's drafts vs "
-              "exact drafts:", "", "| batch | hits by rank | acc. len hit / exact |",
-              "|---|---|---|"]
+              "exact drafts, and drafts per hit round (K, or K-1 from a bonus pass "
+              "alone):", "", "| batch | hits by rank | acc. len hit / exact | drafts per "
+              "hit round |", "|---|---|---|---|"]
     for r in rows:
         ranks = r["grpc_ahead_rank_hits"]
         cells = ", ".join(f"{k}: {ranks[k]}" for k in sorted(ranks, key=int)) or "-"
         al = " / ".join("-" if r[f"grpc_ahead_al_{w}"] is None
                         else f"{r[f'grpc_ahead_al_{w}']:.2f}" for w in ("hit", "exact"))
-        lines.append(f"| {r['batch']} | {cells} | {al} |")
+        per = r["grpc_ahead_hit_drafts"]
+        lines.append(f"| {r['batch']} | {cells} | {al} | "
+                     f"{'-' if per is None else f'{per:.2f}'} |")
     lines += ["", "Round anatomy (ms per verifier step; drafter ms per draft batch):", "",
               "| batch | round plain / in-proc / local / g1 / g2 | drafter in-proc / local "
               "/ g1 / g2 | draft wait g1 / g2 | wait share g1 / g2 | wire ms g1 (share) "
