@@ -269,3 +269,11 @@ def test_gate_turns_drafting_off_where_plain_measured_faster():
     assert slow.gate.lead(1) == pytest.approx(0.8)
     assert slow.depths([0], [3]) == [0]
     assert slow.gate.lead(64) is None  # another batch size: not measured there
+
+
+def test_gate_turns_drafting_on_where_it_measured_faster_than_the_model_thinks():
+    policy = _gated(1.5, 1.0)
+    for _ in range(40):  # the model now prices the round out: 100 ms a round
+        policy.observe_step(1, 0.5, 0.0, 100.0, asked=True)
+    assert choose_depths([policy.rates(0)], [3], policy.cost()) == [0]
+    assert policy.depths([0], [3]) == [3]

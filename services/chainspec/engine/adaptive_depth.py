@@ -20,7 +20,8 @@ client's threads (decoding drafts, encoding rows) take the GIL from the step, a 
 drafting. Last, the gate (`ModeGate`): the tokens per second steps actually made, from one
 step's start to the next, with drafts verified against with no drafter traffic at all,
 per batch-size bucket. It sees what the cost model cannot (the drafter's process taking
-the host's cores, the wire), and where plain measured faster, nobody drafts. Probe
+the host's cores, the wire): once both are measured at the batch's size, it decides
+whether anyone drafts, and the model only spreads the depth. Probe
 spells keep both sides measured: after `PROBE_PLAIN_AFTER` drafting steps (`PROBE_SOON`
 until drafting measured a clear lead) `SPELL` steps draft nothing, after `EXPLORE_AFTER`
 plain steps `SPELL` steps draft at the caps.
@@ -34,7 +35,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PRIOR_RATE = 0.7  # global rate before any round is seen: optimistic, so drafting starts
 PRIOR_WEIGHT = 4.0  # rounds' worth of weight the global rate has in a sequence's estimate
@@ -183,10 +184,6 @@ class ModeGate:
             return None
         return statistics.median(drafted) / statistics.median(plain)
 
-    def plain_faster(self, batch: int, margin: float = 0.0) -> bool:
-        lead = self.lead(batch)
-        return lead is not None and lead < 1 + margin
-
 
 @dataclass
 class AdaptiveDepth:
@@ -249,9 +246,15 @@ class AdaptiveDepth:
             self.spell = (left - 1, draft)
             return list(caps) if draft else [0] * len(caps)
         margin = SWITCH_MARGIN if self.plain_steps else 0.0
-        out = choose_depths([self.rates(k) for k in keys], caps, cost, other_rows, margin)
-        if any(out) and self.gate.plain_faster(len(caps), margin):
+        rates = [self.rates(k) for k in keys]
+        lead = self.gate.lead(len(caps))
+        if lead is None:  # not measured at this batch size: the model decides
+            out = choose_depths(rates, caps, cost, other_rows, margin)
+        elif lead < 1 + margin:
             out = [0] * len(caps)
+        else:  # drafting measured faster: the model only spreads the depth
+            out = choose_depths(rates, caps, replace(cost, draft_s=0.0), other_rows)
+            out = out if any(out) else list(caps)
         drafting = any(out)
         self.plain_steps = 0 if drafting else self.plain_steps + 1
         self.drafting_steps = self.drafting_steps + 1 if drafting else 0
