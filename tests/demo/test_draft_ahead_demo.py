@@ -1,6 +1,6 @@
 """Draft-ahead's hit path on the demo model (DESIGN 4.8): a hit's next round verifies the
-look-ahead's K drafts (a hit loses no draft), the update tells the drafter so, and the step that runs it waits
-for no drafts."""
+look-ahead's K drafts (a hit loses no draft), the update tells the drafter so, the step
+that runs it waits for no drafts, and more hypotheses hit more often."""
 
 from __future__ import annotations
 
