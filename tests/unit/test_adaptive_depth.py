@@ -253,7 +253,7 @@ def _gated(drafted_tps: float, plain_tps: float) -> AdaptiveDepth:
     """A policy whose model says draft (batch 1, all accepted), with measured steps."""
     policy = _learned(batch=1, accepted=3)
     t = 0.0
-    for step in range(12):  # alternate steps that verified drafts and plain ones
+    for step in range(16):  # alternate steps that verified drafts and plain ones
         drafted = step % 4 < 2
         seconds = 1.0 / (drafted_tps if drafted else plain_tps)
         policy.observe_step(1, 0.5, 0.0, 0.0, asked=drafted, started_s=t, batch=1,

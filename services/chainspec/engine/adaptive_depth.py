@@ -50,7 +50,7 @@ PROBE_PLAIN_AFTER = 256  # drafting steps in a row before a plain spell, once dr
 CLEAR_LEAD = 1.25  # measured this lead at the batch's size;
 PROBE_SOON = 32  # until then
 SPELL = 4  # steps of a probe spell (its first one only stops the drafter traffic)
-GATE_MIN = 2  # measured steps of each kind, at the batch's size, before the gate decides
+GATE_MIN = 3  # measured steps of each kind, at the batch's size, before the gate decides
 
 
 @dataclass(frozen=True)
@@ -202,6 +202,7 @@ class AdaptiveDepth:
     gate: ModeGate = field(default_factory=lambda: ModeGate())
     spell: tuple[int, bool] = (0, False)  # probe steps left, and whether they draft
     _last: tuple[bool, bool] = (False, False)  # the previous step asked, had prompt rows
+    _verified_before: bool = False  # the previous step verified drafts
     _open: tuple | None = None  # the last step: start, busy s, overhead, asked, gate sample
 
     def __post_init__(self) -> None:
@@ -292,14 +293,16 @@ class AdaptiveDepth:
                 self._overheads(was_asked).append(overhead + max(0.0, started_s - start - busy))
                 if sample is not None:
                     self.gate.add(*sample, started_s - start)
-            kind = True if verified else None if asked or asked_before else False
+            # NOTE: the first round after a plain spell carries the held rows: not typical
+            kind = (True if self._verified_before else None) if verified else \
+                None if asked or asked_before else False
             self._open = (started_s, forward_s + overhead_s + draft_s, max(0.0, overhead_s),
                           asked, None if kind is None else (batch, kind, tokens))
         if asked or asked_before:
             self.rounds.append(draft_s)
             if not (prompt_rows or prompt_before):
                 self.clean_rounds.append(draft_s)
-        self._last = (asked, prompt_rows)
+        self._last, self._verified_before = (asked, prompt_rows), verified
 
     def _overheads(self, asked: bool) -> deque:
         return self.overheads if asked else self.plain_overheads
