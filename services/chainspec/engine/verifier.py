@@ -68,8 +68,8 @@ class VerifierConfig:
     use_graphs: bool = not spine_default(StackSection, "enforce_eager")  # CUDA graphs (GPU)
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # admission order
     adaptive_depth: bool = False  # choose k in 0..K per sequence each step (DESIGN 4.11)
-
     seed: int | None = spine_default(StackSection, "seed")  # of unseeded requests' seeds
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
         if self.num_steps < 1:
@@ -93,8 +93,8 @@ class VerifierEngine(DraftProtocol):
         self.eos_ids = frozenset(eos_ids)
         self.detokenize = detokenize
         self.observer = observer  # metrics: told about requests and steps (host values only)
-        param = next(model.parameters())
         self.draws = random.Random(config.seed) if config.seed is not None else None
+        param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.cache, self.allocator, self.claims = model_cache(
             model.cache_specs(), config.kv, config.max_seqs, config.max_len,
