@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from chainspec.engine.grammar import GrammarKind, GrammarSpec
 from chainspec.gateway.client import GenerationSpec
 from chainspec.gateway.errors import APIError
 from chainspec.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse
