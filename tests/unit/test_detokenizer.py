@@ -14,8 +14,10 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from chainspec.engine.detokenizer import (
     REPLACEMENT,
     SEED_MAX,
+    STOP_TAIL,
     IncrementalDetokenizer,
     prompt_seed,
+    stop_tail,
 )
 
 CORPUS = ["The capital of France is Paris.", "Grüße aus Köln, 你好世界 🙂 naïve café",
@@ -194,3 +196,25 @@ def test_seed_skips_a_prompt_cut_inside_a_character() -> None:
     cut = ids[:-1]  # the prompt ends inside '€'
     assert prompt_seed(backend, cut, True) == []
     assert REPLACEMENT not in backend.decode(prompt_seed(backend, ids, True))
+
+
+def test_stop_tail_reads_the_first_token_in_context(tokenizers_pair) -> None:
+    """The engine's stop-string check sees what the stream shows: with Metaspace, the
+    first output token's leading space (" Paris" after the prompt), which decoding the
+    output ids alone drops; later, the last STOP_TAIL ids as the text's continuation."""
+    backend, hf = tokenizers_pair
+    prompt, output = _ids(backend, PROMPT), _ids(backend, OUTPUT)
+    decode = lambda ids: backend.decode(ids)  # noqa: E731  (the engine's detokenize)
+    first = stop_tail(decode, prompt + output[:1], 1)
+    assert first == _expected(hf, prompt, output[:1])
+    tokens = prompt + output
+    tail = stop_tail(decode, tokens, len(output))
+    assert _expected(hf, prompt, output).endswith(tail)
+    assert len(tail) >= len(backend.decode(output[-STOP_TAIL:])) - 1
+
+
+def test_stop_tail_without_context_is_the_ids_text() -> None:
+    backend = _metaspace()
+    output = _ids(backend, OUTPUT)
+    assert stop_tail(backend.decode, output, len(output)) == backend.decode(
+        output[-STOP_TAIL:])

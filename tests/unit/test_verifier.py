@@ -170,6 +170,28 @@ def test_stop_string(pair) -> None:
     assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_string == needle
 
 
+def test_stop_string_at_the_first_token_reads_it_in_context(pair) -> None:
+    """A Metaspace-like decoder drops the first token's leading space when the token is
+    decoded alone ("w7", not " w7"), but streams it after the prompt as " w7". A stop
+    string " w7" at the first output token must stop the request there."""
+    target, draft = pair
+    ps = prompts(1, seed=6)
+    free = outputs(engine(target), ps, 12)[0][0]
+
+    def detok(ids):  # each token is " w<i>"; the decoder strips one leading space
+        return "".join(f" w{i}" for i in ids).removeprefix(" ")
+
+    needle = f" w{free[0]}"
+    eng = engine(target, draft, detokenize=detok)
+    eng.add_request("s", ps[0], SamplingParams(temperature=0.0),
+                    StopConditions(max_tokens=12, stop_strings=(needle,)))
+    outs = []
+    while eng.has_work:
+        outs += eng.step()
+    assert [t for o in outs for t in o.new_tokens] == free[:1]
+    assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_string == needle
+
+
 def test_abort_frees_slot_and_drafter_state(pair) -> None:
     target, draft = pair
     eng = engine(target, draft, max_seqs=2)

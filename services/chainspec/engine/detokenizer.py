@@ -15,11 +15,12 @@ is no slow-tokenizer path to fall back for.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tokenizers import Tokenizer as Backend
 from tokenizers.decoders import DecodeStream
 
+STOP_TAIL, STOP_CONTEXT = 32, 4  # output ids a stop-string check reads; ids before them
 REPLACEMENT = "\ufffd"  # what byte-level decoders produce for an incomplete character
 SEED_MIN, SEED_MAX = 4, 24  # prompt ids the stream starts from (a clean decode's worth)
 
@@ -97,3 +98,19 @@ def prompt_seed(backend: Backend, prompt: Sequence[int], skip_special_tokens: bo
         if REPLACEMENT not in backend.decode(seed, skip_special_tokens=skip_special_tokens):
             return seed
     return []
+
+
+def stop_tail(detokenize: Callable[[list[int]], str], tokens: Sequence[int],
+              num_output: int) -> str:
+    """The text of the last `STOP_TAIL` output ids of `tokens` (prompt + output, the last
+    `num_output` of them output) as the continuation of the `STOP_CONTEXT` ids before
+    them, as the stream renders it: a Metaspace first token keeps its leading space, so a
+    stop string " Paris" matches there too. Falls back to the ids alone where the
+    context's text is not a prefix (a character cut at the seam)."""
+    start = len(tokens) - min(num_output, STOP_TAIL)
+    ids = list(tokens[start:])
+    context = list(tokens[max(0, start - STOP_CONTEXT):start])
+    if not context:
+        return detokenize(ids)
+    before, whole = detokenize(context), detokenize(context + ids)
+    return whole[len(before):] if whole.startswith(before) else detokenize(ids)

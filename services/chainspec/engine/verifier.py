@@ -31,6 +31,7 @@ from chainspec.engine.admission import (
     fair_victim,
     next_admission,
 )
+from chainspec.engine.detokenizer import stop_tail
 from chainspec.engine.draft_client import DraftClient
 from chainspec.engine.draft_types import (
     SeqUpdate,
@@ -459,7 +460,7 @@ class VerifierEngine(DraftProtocol):
         if req.num_generated < req.sampling.min_tokens:
             return None  # NOTE: EOS/stop ids were masked; stop strings wait too (vLLM)
         if stop.stop_strings and self.detokenize is not None:
-            tail = self.detokenize(req.output_tokens[-32:])
+            tail = stop_tail(self.detokenize, req.tokens, req.num_generated)
             for s in stop.stop_strings:
                 if s in tail:
                     req.stop_string = s
