@@ -394,7 +394,7 @@ class _EchoEngine:
         self.prompts: dict[str, list[int]] = {}
 
     async def generate(self, rid, prompt, sampling, stop, admission=None,
-                       num_speculative_tokens=None, generated=()):
+                       num_speculative_tokens=None, generated=(), cache_salt=""):
         self.prompts[rid] = list(prompt)
         yield RequestOutput(rid, (1,), FinishReason.LENGTH)
 
