@@ -192,3 +192,24 @@ class LoadGenerator:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=60)
+
+
+def stack_verifier(namespace: str) -> dict:
+    """The verifier member of the stack in `namespace`, as `stack.status` shows it."""
+    from chainspec.cluster import stack
+    return next(m for m in stack.status(namespace=namespace) if m["role"] == "verifier")
+
+
+def ready_tp_verifier(namespace: str, pids_not=frozenset(), ranks: int = 2) -> dict:
+    """Wait for a ready verifier of `ranks` live ranks, none of them in `pids_not` (a
+    group that came back has new ranks)."""
+    from chainspec.cluster import stack
+
+    def ready():
+        v = stack_verifier(namespace)
+        got = v.get("ranks") or []
+        ok = v["state"] == "ready" and len(got) == ranks and \
+            all(r["state"] == "alive" and r["pid"] not in pids_not for r in got)
+        return v if ok else None
+    return wait_for(ready, 120, f"a ready TP={ranks} verifier",
+                    lambda: stack.status(namespace=namespace))

@@ -16,26 +16,20 @@ import pytest
 from chainspec.cluster import stack
 from chainspec.cluster.config import DrafterRoleConfig, RoleConfig, StackConfig
 from chainspec.engine.tp_channel import HEARTBEAT_S
-from tests.integration.helpers import generate, plain_outputs, prompt_ids, verifier_stub, wait_for
+from tests.integration.helpers import (
+    generate,
+    plain_outputs,
+    prompt_ids,
+    ready_tp_verifier,
+    stack_verifier,
+    verifier_stub,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(180)
 NS = "chainspec-tp-idle-hang-test"
 COLLECTIVE_TIMEOUT_S = 4.0
 PING_S = 0.5
-
-
-def _verifier() -> dict:
-    return next(m for m in stack.status(namespace=NS) if m["role"] == "verifier")
-
-
-def _ready(pids_not: frozenset[int] = frozenset()) -> dict:
-    def ready():
-        v = _verifier()
-        ranks = v.get("ranks") or []
-        ok = v["state"] == "ready" and len(ranks) == 2 and \
-            all(r["state"] == "alive" and r["pid"] not in pids_not for r in ranks)
-        return v if ok else None
-    return wait_for(ready, 120, "a ready TP=2 verifier", lambda: stack.status(namespace=NS))
 
 
 def test_an_idle_member_with_a_hung_rank_turns_not_ready_and_restarts(ray_cluster,
@@ -50,13 +44,13 @@ def test_an_idle_member_with_a_hung_rank_turns_not_ready_and_restarts(ray_cluste
     stack.up(config)
     hung = None
     try:
-        before = _ready()
+        before = ready_tp_verifier(NS)
         hung = before["ranks"][1]["pid"]
         time.sleep(2 * HEARTBEAT_S)  # idle: heartbeats answered, still ready
-        assert _verifier()["state"] == "ready"
+        assert stack_verifier(NS)["state"] == "ready"
         os.kill(hung, signal.SIGSTOP)
         stopped = time.monotonic()
-        down = wait_for(lambda: (v := _verifier())["state"] != "ready" and v,
+        down = wait_for(lambda: (v := stack_verifier(NS))["state"] != "ready" and v,
                         3 * (HEARTBEAT_S + COLLECTIVE_TIMEOUT_S), "the member not ready")
         took = time.monotonic() - stopped
         print(f"not ready {took:.1f}s after SIGSTOP (bound "
@@ -64,7 +58,7 @@ def test_an_idle_member_with_a_hung_rank_turns_not_ready_and_restarts(ray_cluste
         assert took < HEARTBEAT_S + COLLECTIVE_TIMEOUT_S + 2 * PING_S + 1
         assert "[1]" in (down["error"] or "") and "hung" in down["error"]
 
-        back = _ready(pids_not=frozenset(r["pid"] for r in before["ranks"]))
+        back = ready_tp_verifier(NS, pids_not=frozenset(r["pid"] for r in before["ranks"]))
         assert back["member_id"] == before["member_id"] and back["restarts"] >= 1
         channel, stub = verifier_stub(back["endpoint"])
         try:

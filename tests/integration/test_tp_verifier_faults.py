@@ -22,7 +22,14 @@ from ray.util.placement_group import placement_group_table
 from chainspec.cluster import stack
 from chainspec.cluster.config import DrafterRoleConfig, RoleConfig, StackConfig
 from chainspec.cluster.intent import IntentStore, group_name
-from tests.integration.helpers import generate, plain_outputs, prompt_ids, verifier_stub, wait_for
+from tests.integration.helpers import (
+    generate,
+    plain_outputs,
+    prompt_ids,
+    ready_tp_verifier,
+    verifier_stub,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(180)
 NS = "chainspec-tp-faults-test"
@@ -40,20 +47,6 @@ def up(ray_cluster, model_dir):
     stack.up(config)
     yield config
     stack.down(namespace=NS)
-
-
-def _verifier() -> dict:
-    return next(m for m in stack.status(namespace=NS) if m["role"] == "verifier")
-
-
-def _ready_group(pids_not: set[int] = frozenset()) -> dict:
-    def ready():
-        v = _verifier()
-        ranks = v.get("ranks") or []
-        ok = v["state"] == "ready" and len(ranks) == 2 and \
-            all(r["state"] == "alive" and r["pid"] not in pids_not for r in ranks)
-        return v if ok else None
-    return wait_for(ready, 120, "a ready TP=2 verifier", lambda: stack.status(namespace=NS))
 
 
 def _streams(endpoint: str, prompts, timeout: float) -> list[tuple[object, float]]:
@@ -78,7 +71,7 @@ def _streams(endpoint: str, prompts, timeout: float) -> list[tuple[object, float
 def test_a_killed_rank_fails_fast_and_the_group_restarts_as_a_unit(up, model_dir) -> None:
     prompts = prompt_ids(model_dir, STREAMS)
     plain = plain_outputs(model_dir, prompts, max_tokens=TOKENS)
-    before = _ready_group()
+    before = ready_tp_verifier(NS)
     ranks = {r["rank"]: r for r in before["ranks"]}
     assert sorted(ranks) == [0, 1] and ranks[0]["pid"] == before["pid"]
     assert ranks[0]["pid"] != ranks[1]["pid"] and ranks[0]["node"] == ranks[1]["node"]
@@ -107,7 +100,7 @@ def test_a_killed_rank_fails_fast_and_the_group_restarts_as_a_unit(up, model_dir
     print(f"{failed}/{STREAMS} streams ended UNAVAILABLE, "
           f"{STREAMS - failed} completed equal to plain")
 
-    back = _ready_group(pids_not={r["pid"] for r in before["ranks"]})
+    back = ready_tp_verifier(NS, pids_not={r["pid"] for r in before["ranks"]})
     assert back["member_id"] == before["member_id"] and back["restarts"] >= 1
     results, threads, channel = _streams(back["endpoint"], prompts, timeout=60)
     for t in threads:
