@@ -11,6 +11,7 @@ from chainspec.engine.kv_budget import KVBudget
 from chainspec.engine.request import StopConditions
 from chainspec.engine.runner import run_to_completion
 from chainspec.engine.sampling import SamplingParams
+from chainspec.engine.schedule import WorkKind
 from chainspec.engine.verifier import VerifierConfig, VerifierEngine
 from tests.unit.tiny_models import tiny_draft_model, tiny_target
 
@@ -53,3 +54,29 @@ def outputs(eng: VerifierEngine, batch: Sequence[Sequence[int]], max_tokens: int
               for s in (seeds or range(len(batch)))]
     result = run_to_completion(eng, batch, params, StopConditions(max_tokens=max_tokens))
     return [c.tokens for c in result.completions], result
+
+
+class PrefillRows:
+    """An engine observer that counts the prefill rows the target computes per request."""
+
+    def __init__(self) -> None:
+        self.prefill: dict[str, int] = {}
+
+    def request_added(self, request_id, prompt_len, arrival_s) -> None:
+        self.prefill[request_id] = 0
+
+    def step_done(self, step) -> None:
+        for w in step.work:
+            if w.kind is WorkKind.PREFILL:
+                self.prefill[w.request.request_id] += w.num_rows
+
+
+def run_greedy(eng: VerifierEngine, rid: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """One greedy request through `eng` to its end: the tokens it generated."""
+    eng.add_request(rid, prompt, SamplingParams(temperature=0.0),
+                    StopConditions(max_tokens=max_tokens))
+    got = []
+    while eng.has_work:
+        for out in eng.step():
+            got.extend(out.new_tokens)
+    return got

@@ -13,8 +13,7 @@ from chainspec.engine.kv_budget import KVBudget
 from chainspec.engine.prefix_cache import PrefixCache, block_hash, chain_hashes
 from chainspec.engine.request import StopConditions
 from chainspec.engine.sampling import SamplingParams
-from chainspec.engine.schedule import WorkKind
-from tests.unit.engine_fixtures import engine, outputs, tied_pair
+from tests.unit.engine_fixtures import PrefillRows, engine, outputs, run_greedy, tied_pair
 
 BS = 4
 
@@ -156,41 +155,17 @@ def test_plain_decoding_matches_a_roomy_run_when_cached_blocks_are_evicted(pair)
     assert eng.allocator.num_used == 0  # every holder let go; cached blocks are free
 
 
-class _Rows:
-    """An observer that counts the prefill rows the target computes per request."""
-
-    def __init__(self) -> None:
-        self.prefill: dict[str, int] = {}
-
-    def request_added(self, request_id, prompt_len, arrival_s) -> None:
-        self.prefill[request_id] = 0
-
-    def step_done(self, step) -> None:
-        for w in step.work:
-            if w.kind is WorkKind.PREFILL:
-                self.prefill[w.request.request_id] += w.num_rows
-
-
-def _run_one(eng, rid: str, prompt: list[int]) -> list[int]:
-    eng.add_request(rid, prompt, SamplingParams(temperature=0.0), StopConditions(max_tokens=8))
-    got = []
-    while eng.has_work:
-        for out in eng.step():
-            got.extend(out.new_tokens)
-    return got
-
-
 def test_a_second_request_prefills_only_what_is_not_cached(pair):
     target, draft = pair
     k = 3
     eng = engine(target, draft, k=k, kv=_kv(200, True), drafter_kv=_kv(200, True))
-    eng.observer = rows = _Rows()
+    eng.observer = rows = PrefillRows()
     drafter = eng.drafter.engine
     prefix = list(range(1, 41))  # 40 tokens: 10 full blocks
-    _run_one(eng, "a", prefix + [50, 51, 52])
+    run_one(eng, "a", prefix + [50, 51, 52])
     assert rows.prefill["a"] == 43
     assert drafter.allocator.cache.hits == 0
-    _run_one(eng, "b", prefix + [53, 54, 55, 56, 57])
+    run_one(eng, "b", prefix + [53, 54, 55, 56, 57])
     # 10 shared blocks; the last is recomputed: the drafter's MTP KV there reads the
     # K tokens after it, which differ, so it needs the target's hidden rows of it
     assert eng.allocator.cache.hits == 36 and rows.prefill["b"] == 45 - 36
@@ -202,10 +177,10 @@ def test_a_second_request_prefills_only_what_is_not_cached(pair):
 def test_a_fully_cached_prompt_still_computes_its_last_block(pair):
     target, _ = pair
     eng = engine(target, kv=_kv(200, True))
-    eng.observer = rows = _Rows()
+    eng.observer = rows = PrefillRows()
     prompt = list(range(1, 33))  # 8 full blocks
-    first = _run_one(eng, "a", prompt)
-    again = _run_one(eng, "b", prompt)
+    first = run_one(eng, "a", prompt)
+    again = run_one(eng, "b", prompt)
     assert again == first
     assert rows.prefill["b"] == BS  # the last block recomputed: logits, and no shared write
 
@@ -250,7 +225,7 @@ def test_hits_reach_both_engines_metrics_and_the_usage_body(pair):
     vm.attach(eng, None)
     eng.drafter.engine.observer = dm
     prefix = list(range(1, 41))
-    _run_one(eng, "a", prefix + [50])
+    run_one(eng, "a", prefix + [50])
     eng.add_request("b", prefix + [51, 52], SamplingParams(), StopConditions(max_tokens=3))
     final = None
     while eng.has_work:
@@ -353,7 +328,7 @@ def test_a_drafter_miss_asks_for_a_resync_and_a_full_drafter_refuses(pair):
 def test_a_cache_salt_shares_blocks_only_within_itself(pair):
     target, _ = pair
     eng = engine(target, kv=_kv(200, True))
-    eng.observer = rows = _Rows()
+    eng.observer = rows = PrefillRows()
     prompt = list(range(1, 30))
 
     def run(rid: str, salt: str | None) -> list[int]:
@@ -369,3 +344,7 @@ def test_a_cache_salt_shares_blocks_only_within_itself(pair):
     assert run("b1", "tenant-b") == plain and rows.prefill["b1"] == 29  # nor a's
     assert run("a2", "tenant-a") == plain and rows.prefill["a2"] == 29 - 28  # a's own
     assert run("plain2", None) == plain and rows.prefill["plain2"] == 1
+
+
+def run_one(eng, rid: str, prompt: list[int]) -> list[int]:
+    return run_greedy(eng, rid, prompt, max_tokens=8)

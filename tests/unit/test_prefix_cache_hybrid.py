@@ -13,15 +13,12 @@ import torch
 
 from chainspec.engine.kv_budget import KVBudget
 from chainspec.engine.prefix_cache import chain_hashes
-from chainspec.engine.request import StopConditions
-from chainspec.engine.sampling import SamplingParams
-from chainspec.engine.schedule import WorkKind
 from chainspec.engine.state_snapshots import StateSnapshots
 from chainspec.models.attention import AttnBatch, PagedAttention, SeqRows
 from chainspec.models.cache_spec import StateSpec
 from chainspec.models.kv_cache import ModelKVCache
 from chainspec.models.loader import load_draft_model, load_target
-from tests.unit.engine_fixtures import engine, outputs
+from tests.unit.engine_fixtures import PrefillRows, engine, outputs, run_greedy
 from tests.unit.families.test_qwen3_5_engine import PartlyRightClient
 
 BS = 4
@@ -114,30 +111,6 @@ def test_outputs_equal_with_caching_on_and_off_under_eviction(models, k, tempera
     assert eng.allocator.num_used == 0
 
 
-class _Rows:
-    """An observer that counts the prefill rows the target computes per request."""
-
-    def __init__(self) -> None:
-        self.prefill: dict[str, int] = {}
-
-    def request_added(self, request_id, prompt_len, arrival_s) -> None:
-        self.prefill[request_id] = 0
-
-    def step_done(self, step) -> None:
-        for w in step.work:
-            if w.kind is WorkKind.PREFILL:
-                self.prefill[w.request.request_id] += w.num_rows
-
-
-def _run_one(eng, rid: str, prompt: list[int]) -> list[int]:
-    eng.add_request(rid, prompt, SamplingParams(temperature=0.0), StopConditions(max_tokens=6))
-    got = []
-    while eng.has_work:
-        for out in eng.step():
-            got.extend(out.new_tokens)
-    return got
-
-
 def scratch_state(target, tokens: list[int]) -> list[torch.Tensor]:
     """Every recurrent layer's state parts after a prefill of `tokens` from zero."""
     specs = target.cache_specs()
@@ -166,7 +139,7 @@ def test_a_second_request_computes_only_its_uncached_rows(models, k):
     target, draft = models
     eng = engine(target, draft if k else None, k=k or 1, kv=_kv(200, True),
                  drafter_kv=_kv(200, True))
-    eng.observer = rows = _Rows()
+    eng.observer = rows = PrefillRows()
     snaps = eng.claims.snapshots
     loads = []
     load = snaps.load
@@ -176,16 +149,16 @@ def test_a_second_request_computes_only_its_uncached_rows(models, k):
         loads.append((h, _slot_state(snaps, slot, 0)))
     snaps.load = spy
     prefix = [(7 * i + 3) % VOCAB for i in range(40)]  # 10 full blocks
-    _run_one(eng, "a", prefix + [5, 6, 7])
+    run_one(eng, "a", prefix + [5, 6, 7])
     assert rows.prefill["a"] == 43
     second = prefix + [8, 9, 10, 11, 12]
-    got = _run_one(eng, "b", second)
+    got = run_one(eng, "b", second)
     # plain: every shared block (40 rows); with a drafter the last one is recomputed
     # (its MTP KV reads the K tokens after it), so the hit ends at block 9's snapshot
     hit = 40 if k is None else 36
     assert eng.allocator.cache.hits == hit and rows.prefill["b"] == len(second) - hit
     assert eng.resyncs == 0  # the drafter found its MTP KV of the hit cached as well
-    assert got == _run_one(engine(target, draft if k else None, k=k or 1,
+    assert got == run_one(engine(target, draft if k else None, k=k or 1,
                                   kv=_kv(200, False)), "b", second)
     (h, state), = loads
     assert h == chain_hashes(second, BS, [])[hit // BS - 1]
@@ -317,9 +290,9 @@ def test_a_windowed_hit_computes_only_its_uncached_rows(windowed):
     from tests.unit.families.mimo_v2_flash_checkpoint import WINDOW
     target, _ = windowed
     eng = engine(target, kv=_kv(200, True))
-    eng.observer = rows = _Rows()
+    eng.observer = rows = PrefillRows()
     prefix = [(5 * i + 2) % VOCAB for i in range(40)]  # 10 blocks, far past the window
-    _run_one(eng, "a", prefix + [1, 2, 3])
+    run_one(eng, "a", prefix + [1, 2, 3])
     second = prefix + [4, 5, 6, 7]
     adopted = []
     adopt = eng.claims.adopt
@@ -328,8 +301,12 @@ def test_a_windowed_hit_computes_only_its_uncached_rows(windowed):
         adopt(seq, hashes, n)
         adopted.append([b is not None for b in seq.windows[WINDOW].blocks])
     eng.claims.adopt = spy
-    got = _run_one(eng, "b", second)
+    got = run_one(eng, "b", second)
     assert eng.allocator.cache.hits == 40 and rows.prefill["b"] == len(second) - 40
     # the next row (position 40) sees keys 33..40: blocks 8 and 9 of the window group
     assert adopted == [[False] * 8 + [True, True]]
-    assert got == _run_one(engine(target, kv=_kv(200, False)), "b", second)
+    assert got == run_one(engine(target, kv=_kv(200, False)), "b", second)
+
+
+def run_one(eng, rid: str, prompt: list[int]) -> list[int]:
+    return run_greedy(eng, rid, prompt, max_tokens=6)
