@@ -208,15 +208,20 @@ def test_token_on_every_call_kind_of_an_asyncio_channel(loop, draft) -> None:
                 except grpc.aio.AioRpcError as e:
                     codes.append(e.code())
 
+            # NOTE: a refused stream is opened without writing: a client write that
+            # races the server's status is reported as INTERNAL by grpc.aio (grpc#36066)
+            def sent(request):
+                return iter([request]) if token else None
+
             async def draft_stream():
-                async for _ in pb_grpc.DrafterStub(ch).Draft(iter([pb.DraftRequest(batch_id=1)]),
+                async for _ in pb_grpc.DrafterStub(ch).Draft(sent(pb.DraftRequest(batch_id=1)),
                                                               timeout=5):
                     pass
 
             async def reflect():
                 stub = reflection_pb2_grpc.ServerReflectionStub(ch)
                 req = reflection_pb2.ServerReflectionRequest(list_services="")
-                async for _ in stub.ServerReflectionInfo(iter([req]), timeout=5):
+                async for _ in stub.ServerReflectionInfo(sent(req), timeout=5):
                     pass
             await code(lambda: pb_grpc.DrafterStub(ch).Info(pb.DrafterInfoRequest(), timeout=5))
             await code(draft_stream)
