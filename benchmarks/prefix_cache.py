@@ -20,12 +20,22 @@ gateways instead (one started with --no-enable-prefix-caching), streamed
 `/v1/completions` with token-id prompts, one thread per chat; TTFT is send to the first
 text chunk, and a reply's text is tokenized again (the demo tokenizer) for the next turn.
 
+With --serve the script starts those two stacks itself (`chainspec serve`, each on its
+own embedded Ray, namespace and state directory), on --model or, by default, a copy of the
+demo checkpoint with `max_position_embeddings` raised (--positions; the weights are
+links): Llama's RoPE has no learned position table, so the weights take any length, but
+the demo was trained on 512 positions and its acceptance may fall past them (reported).
+It reports, besides, the counters the run moved: the verifiers' prefix cache under vLLM's
+names (the gateway's `vllm:prefix_cache_*`), the drafters' MTP KV cache
+(`chainspec_drafter_prefix_cache_*`) and the spec-decode acceptance.
+
 With --hybrid the model is a random Qwen3.5 (Gated DeltaNet + full attention, one MTP
 layer) of the demo model's width, written to a temporary directory: its hits start from
 the recurrent-state snapshots at block boundaries (engine/state_snapshots.py).
 
 Usage: python benchmarks/prefix_cache.py [--chats 4] [--turns 4] [--system 1000]
        [--hybrid] [--url http://127.0.0.1:8001 http://127.0.0.1:8002]
+       [--serve [--model DIR] [--positions 2048]]
 Writes benchmarks/results/prefix_cache[_serve|_hybrid].{json,md}.
 """
 
@@ -33,9 +43,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import re
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -114,15 +130,14 @@ def run(engine, system: list[int], users, reply: int) -> dict:
             "resyncs": engine.resyncs}
 
 
-def run_http(url: str, system: list[int], users, reply: int) -> dict:
+def run_http(url: str, system: list[int], users, reply: int, model_dir: Path) -> dict:
     """The chats through a gateway at `url`, one thread per chat."""
     import concurrent.futures
 
     import httpx
 
-    from chainspec.engine.local import DEMO_MODEL
     from chainspec.models.tokenizer import Tokenizer
-    tok = Tokenizer.from_dir(DEMO_MODEL)
+    tok = Tokenizer.from_dir(model_dir)
 
     def turn(client: httpx.Client, prompt: list[int]) -> tuple[float, str, dict]:
         body = {"prompt": prompt, "max_tokens": reply, "temperature": 0, "ignore_eos": True,
@@ -179,14 +194,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="a random Qwen3.5 (GDN states snapshotted) instead of the demo model")
     p.add_argument("--url", nargs=2, metavar=("OFF_URL", "ON_URL"),
                    help="gateways of two running stacks, caching off and on")
+    p.add_argument("--serve", action="store_true",
+                   help="start the two stacks (chainspec serve, caching off and on)")
+    p.add_argument("--model", type=Path,
+                   help="--serve: the model directory (default: the demo, --positions long)")
+    p.add_argument("--positions", type=int, default=2048,
+                   help="--serve: max_position_embeddings of the demo's copy")
     args = p.parse_args(argv)
-    if args.url:
+    if args.url or args.serve:
         return main_http(args, argv)
     torch.set_num_threads(1)
     max_len = args.system + args.turns * (args.user + args.reply) + 64
     model = {}
     if args.hybrid:
-        import tempfile
         model = {"model_dir": hybrid_checkpoint(Path(tempfile.mkdtemp()), max_len),
                  "dtype": "float32"}
     opts = {on: LocalOptions(max_seqs=args.chats, max_len=max_len, enable_prefix_caching=on,
@@ -213,22 +233,136 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_http(args, argv) -> int:
     from chainspec.engine.local import DEMO_MODEL
-    vocab = json.loads((DEMO_MODEL / "config.json").read_text())["vocab_size"]
-    runs: dict[bool, list[dict]] = {False: [], True: []}
-    for r in range(args.repeats):
-        # NOTE: fresh prompts each repeat: a running stack keeps what earlier ones cached
-        system, users = workload(argparse.Namespace(**{**vars(args), "seed": args.seed + r}),
-                                 vocab)
-        for on, url in ((False, args.url[0]), (True, args.url[1])):
-            runs[on].append(run_http(url, system, users, args.reply))
+    model_dir = args.model or DEMO_MODEL
+    with tempfile.TemporaryDirectory(prefix="prefix_cache_") as tmp:
+        if args.serve:
+            if args.model is None:
+                model_dir = long_demo(Path(tmp) / "model", args.positions)
+            max_len = args.system + args.turns * (args.user + 2 * args.reply) + 64
+            with Stack(model_dir, max_len, False, args, Path(tmp) / "off") as off, \
+                    Stack(model_dir, max_len, True, args, Path(tmp) / "on") as on:
+                before = {False: off.counters(), True: on.counters()}
+                runs = run_sides(args, (off.url, on.url), model_dir)
+                moved = {side: counters_minus(stack.counters(), before[side == "on"])
+                         for side, stack in (("off", off), ("on", on))}
+        else:
+            runs = run_sides(args, args.url, model_dir)
     report = summarize(args, argv, runs)
+    report["load_avg"] = [round(x, 2) for x in os.getloadavg()]
     report["engine"] = ("`chainspec serve` (Ray: verifier + remote drafter actors, gateway; "
                         "demo model, K=3, CPU), streamed /v1/completions")
+    if args.serve:
+        report["counters"] = moved
+        report["model"] = (str(args.model) if args.model else
+                           f"the demo checkpoint, max_position_embeddings "
+                           f"{args.positions} (trained on 512)")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "prefix_cache_serve.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / "prefix_cache_serve.md").write_text(markdown(report))
     print(json.dumps(report, indent=2))
     return 0 if report["identical"] else 1
+
+
+def run_sides(args, urls, model_dir: Path) -> dict[bool, list[dict]]:
+    """--repeats runs on each gateway, off and on taking turns."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for r in range(args.repeats):
+        # NOTE: fresh prompts each repeat: a running stack keeps what earlier ones cached
+        system, users = workload(argparse.Namespace(**{**vars(args), "seed": args.seed + r}),
+                                 vocab)
+        for on, url in ((False, urls[0]), (True, urls[1])):
+            runs[on].append(run_http(url, system, users, args.reply, model_dir))
+    return runs
+
+
+def long_demo(path: Path, positions: int) -> Path:
+    """The demo checkpoint with `max_position_embeddings` = `positions` (its files linked)."""
+    from chainspec.engine.local import DEMO_MODEL
+    path.mkdir(parents=True)
+    for f in DEMO_MODEL.iterdir():
+        if f.name != "config.json":
+            (path / f.name).symlink_to(f)
+    config = json.loads((DEMO_MODEL / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config,
+                                                  "max_position_embeddings": positions}))
+    return path
+
+
+# the counters a run moves: verifiers' prefix cache under vLLM's names (the gateway's
+# /metrics), the drafters' MTP KV cache and the verifiers' acceptance (their own /metrics)
+GATEWAY_COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+MEMBER_COUNTERS = {"drafter": ("chainspec_drafter_prefix_cache_queries",
+                               "chainspec_drafter_prefix_cache_hits"),
+                   "verifier": ("chainspec_spec_decode_num_drafts",
+                                "chainspec_spec_decode_num_draft_tokens",
+                                "chainspec_spec_decode_num_accepted_tokens",
+                                "chainspec_draft_resyncs")}
+
+
+class Stack:
+    """`chainspec serve` on the model, caching on or off, on an embedded Ray of its own;
+    stopped (SIGINT: the gateway, then the stack and its Ray) on exit."""
+
+    def __init__(self, model_dir: Path, max_len: int, caching: bool, args, state: Path):
+        state.mkdir(parents=True)
+        self.log = state / "serve.log"
+        name = "on" if caching else "off"
+        self.cmd = [shutil.which("chainspec") or "chainspec", "serve", "--model",
+                    str(model_dir), "--max-model-len", str(max_len), "--port", "0",
+                    "--max-num-seqs", str(max(args.chats, 8)),
+                    "--namespace", f"prefix_cache_{name}_{os.getpid()}",
+                    "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
+        self.env = {**os.environ, "CHAINSPEC_STATE_DIR": str(state)}
+        self.url = ""
+
+    def __enter__(self) -> Stack:
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log.open("w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while not self.url:
+            found = re.search(r"is serving .* at (http://\S+) ", self.log.read_text())
+            self.url = found.group(1) if found else ""
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"chainspec serve did not start:\n{self.log.read_text()}")
+            time.sleep(0.5)
+        return self
+
+    def __exit__(self, *_) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def counters(self) -> dict[str, float]:
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        def read(url: str, names) -> dict[str, float]:
+            out = dict.fromkeys(names, 0.0)
+            for family in text_string_to_metric_families(httpx.get(url).text):
+                if family.name in out:
+                    out[family.name] += sum(s.value for s in family.samples
+                                            if s.name.endswith("_total"))
+            return out
+        got = read(f"{self.url}/metrics", GATEWAY_COUNTERS)
+        groups = httpx.get(f"{self.url}/v1/metrics/targets").raise_for_status().json()
+        for role, names in MEMBER_COUNTERS.items():
+            for g in groups:
+                if g["labels"].get("role") != role:
+                    continue
+                for target in g["targets"]:
+                    path = g["labels"].get("__metrics_path__", "/metrics")
+                    for k, v in read(f"http://{target}{path}", names).items():
+                        got[k] = got.get(k, 0.0) + v
+        return got
+
+
+def counters_minus(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 1) for k, v in after.items()}
 
 
 def summarize(args, argv, runs: dict[bool, list[dict]]) -> dict:
@@ -277,7 +411,34 @@ def markdown(r: dict) -> str:
         f"{r['targets']['ttft_p50_ratio']}: {'met' if met['ttft_p50_ratio'] else 'not met'}),"
         f" throughput {r['throughput_ratio']}x (target >= {r['targets']['throughput_ratio']}: "
         f"{'met' if met['throughput_ratio'] else 'not met'}). Replies identical on and off: "
-        f"{'yes' if r['identical'] else 'NO'}.\n")
+        f"{'yes' if r['identical'] else 'NO'}.\n" + counters_markdown(r))
+
+
+def counters_markdown(r: dict) -> str:
+    """The counters the run moved on each stack (--serve), and the load."""
+    out = f"\nLoad average (1, 5, 15 min) at the end: {r['load_avg']}.\n" \
+        if "load_avg" in r else ""
+    if "counters" not in r:
+        return out
+    names = [("vllm:prefix_cache_queries", "verifier `vllm:prefix_cache_queries`"),
+             ("vllm:prefix_cache_hits", "verifier `vllm:prefix_cache_hits`"),
+             ("chainspec_drafter_prefix_cache_queries",
+              "drafter `chainspec_drafter_prefix_cache_queries`"),
+             ("chainspec_drafter_prefix_cache_hits",
+              "drafter `chainspec_drafter_prefix_cache_hits`"),
+             ("chainspec_spec_decode_num_drafts", "verify rounds with drafts"),
+             ("chainspec_spec_decode_num_draft_tokens", "draft tokens"),
+             ("chainspec_spec_decode_num_accepted_tokens", "accepted tokens"),
+             ("chainspec_draft_resyncs", "drafter resyncs")]
+    c = r["counters"]
+    rows = "".join(f"| {label} | {c['off'][k]:g} | {c['on'][k]:g} |\n" for k, label in names)
+    mean = {side: 1 + c[side]["chainspec_spec_decode_num_accepted_tokens"] /
+            max(c[side]["chainspec_spec_decode_num_drafts"], 1) for side in ("off", "on")}
+    return (f"\nModel: {r['model']}.\n\nCounters the run moved (after - before, over "
+            "every repeat; the gateway's /metrics and the members' it lists at "
+            "/v1/metrics/targets):\n\n| counter | caching off | caching on |\n|---|---|---|\n"
+            + rows + f"| tokens per verify round (1 + accepted / rounds) | "
+            f"{mean['off']:.2f} | {mean['on']:.2f} |\n" + out)
 
 
 if __name__ == "__main__":
