@@ -37,10 +37,11 @@ class LocalDraftClient:
         self._ahead: dict[int, tuple[DraftAhead, ...]] = {}
 
     def submit(self, updates: Sequence[SeqUpdate]) -> None:
-        self._ahead.update(by_sequence(self.engine.look_ahead_early(updates)))
         for upd, outcome in zip(updates, self.engine.update(updates), strict=True):
             self._ready[upd.seq_id] = outcome
-        self._ahead.update(by_sequence(self.engine.look_ahead()))
+        e = self.engine
+        self._ahead.update(by_sequence(e.look_ahead_early(e.pending_early())))
+        self._ahead.update(by_sequence(e.look_ahead()))
 
     def ahead(self) -> dict[int, tuple[DraftAhead, ...]]:
         entries, self._ahead = self._ahead, {}

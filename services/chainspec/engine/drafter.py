@@ -110,7 +110,7 @@ class DrafterEngine(DraftAheadRounds):
         # by (seq_id, the entry's drafts' position, the drafts)
         self._chained: dict[tuple[int, int, tuple[int, ...]], AheadSource] = {}
         self._early: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
-        self._early_done: set[int] = set()
+        self._first = None  # the first look-ahead round of the last update's hits
         self._observed_prefix = (0, 0)  # prefix-cache counters the observer has seen
         graph_batch = min(c.max_graph_batch, c.max_seqs)
         buffers = StaticDraftBuffers(graph_batch, c.num_steps, self.hidden_size, c.max_len,
@@ -161,15 +161,15 @@ class DrafterEngine(DraftAheadRounds):
         eager_reason = None
         self._ahead = []
         if accepted:
-            out, eager_reason = self._run(windows)
+            out, eager_reason, hits = self._run_with_early([u for _, u, _ in accepted],
+                                                           windows)
             for row, (i, upd, window) in enumerate(accepted):
                 self._commit(upd, window)
                 outcomes[i] = self._result(upd, out, row)
-                if upd.seq_id in self._early_done:  # its look-ahead ran before it
+                if upd.seq_id in hits:  # its look-ahead's first round ran in this one
                     self.seqs[upd.seq_id].verifying = len(upd.verifying)
                 elif upd.look_ahead and upd.want_drafts and self.config.num_steps > 1:
                     self._ahead.append(self._ahead_source(upd, window, out, row))
-        self._early_done = set()
         if self.ahead_clock is not None and self._ahead:
             self.ahead_clock.exact_done(time.perf_counter() - started)
         if self.observer is not None:

@@ -1,13 +1,13 @@
 """The drafter's side of draft-ahead (DESIGN 4.8; the scheme and its exactness argument
 are in lookahead.py): which look-aheads run, their rounds on copy-on-write scratch
-blocks, and the early look-ahead on a hit. A mixin of `DrafterEngine` (its state lives
-there); one concept per file."""
+blocks, and the early look-ahead on a hit, whose first round rides in the hit's own
+exact round (a round's cost is mostly fixed: one batch instead of two). A mixin of
+`DrafterEngine` (its state lives there); one concept per file."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,19 +50,45 @@ class DraftAheadRounds:
         (`AheadClock`), none if not even the bonus pass does. Without round 2, the bonus
         pass's own row stands for a = m (K-1 drafts)."""
         todo = self.pending_ahead() if todo is None else todo
-        K, c = self.config.num_steps, self.config
-        todo = [src for src in todo if src.seq_id in self.seqs and
-                self._base(src.seq_id) == src.base and
-                src.base + src.verify.shape[0] + 1 + K <= c.max_len]
+        todo = [src for src in todo if self._current(src)]
         self.ahead_plan = []
         if not todo or self.cache.has_states:  # NOTE: scratch copies paged KV only
             return []
-        seqs = {src.seq_id for src in todo}
-        self._chained = {key: s for key, s in self._chained.items() if key[0] not in seqs}
-        first = self._first_round(todo)
+        first = self._first_windows(todo, timed=True)
         if first is None:
             return []
-        plan, entries, finals = first
+        ran = self._run_scratch(first.windows, first.seq_ids)
+        if ran is None:
+            return []
+        return self._second_round(*self._first_entries(first, ran[0], 0))
+
+    @torch.inference_mode()
+    def look_ahead_early(self, first: _FirstRound | None) -> list[DraftAhead]:
+        """The look-ahead entries of an update's hits (updates that verify the drafts of
+        an entry this drafter proposed), whose first round rode in that update's own
+        draft round (`pending_early`): the second round, as far as it fits. Call after
+        answering the update. Changes no sequence state."""
+        self.ahead_plan = []
+        if first is None or not all(self._current(src) for src in first.todo):
+            return []  # NOTE: one of its sequences moved on or left meanwhile
+        return self._second_round(*first.done)
+
+    def pending_early(self) -> _FirstRound | None:
+        """The first look-ahead round the last `update` drafted for its hits (and
+        forget it)."""
+        first, self._first = self._first, None
+        return first
+
+    def _current(self, src: AheadSource) -> bool:
+        K, c = self.config.num_steps, self.config
+        return src.seq_id in self.seqs and self._base(src.seq_id) == src.base and \
+            src.base + src.verify.shape[0] + 1 + K <= c.max_len
+
+    def _second_round(self, plan: list[Hypothesis], entries: list[DraftAhead],
+                      finals: list[Hypothesis]) -> list[DraftAhead]:
+        """Round 2 over the a = m hypotheses `finals`, as far as they fit; every entry,
+        grouped by sequence, likeliest first (`ahead_plan` beside them)."""
+        c = self.config
         if c.ahead_second_round is None and self.ahead_clock is not None:  # as fit
             left = self.ahead_clock.rows_left(time.perf_counter())
             finals = finals if left is None else _within(finals, left, self._hist_rows)
@@ -76,9 +102,12 @@ class DraftAheadRounds:
         self.ahead_plan = ranked([plan[i] for i in order])
         return [entries[i] for i in order]
 
-    def _first_round(self, todo: list[AheadSource]):
-        """Round 1: (its hypotheses, their entries, the a = m hypotheses for round 2)."""
+    def _first_windows(self, todo: list[AheadSource], timed: bool) -> _FirstRound | None:
+        """Round 1's windows: each source's bonus pass, then the corrections that fit;
+        None when `timed` and not even the bonus passes fit in the verifier's step."""
         K, c = self.config.num_steps, self.config
+        seqs = {src.seq_id for src in todo}
+        self._chained = {key: s for key, s in self._chained.items() if key[0] not in seqs}
         chains = torch.stack([src.chain for src in todo])  # [S, K, H]: g[k] at row N'-1
         step_logits = torch.stack([self.model.logits(k + 1, chains[:, k])
                                    for k in range(K)], 1)  # [S, K, V]
@@ -97,39 +126,45 @@ class DraftAheadRounds:
         spent = sum(w.num_rows for w in windows)
         covered = {src.seq_id: lengths[src.seq_id][-1] / 2 for src in todo}
         budget = c.ahead_rows
-        if c.ahead_second_round is None and self.ahead_clock is not None:  # as time allows
+        if timed and c.ahead_second_round is None and self.ahead_clock is not None:
             left = self.ahead_clock.rows_left(time.perf_counter())
             if left is not None and left < spent:
                 return None  # NOTE: too late for this verdict: keep the drafter free
             budget = budget if left is None else min(budget, left)
         fixes = select(fixes, budget, hist, covered, spent)
         windows += [self._hypothesis_window(h) for h in fixes]
-        out = self._run_scratch(windows, [src.seq_id for src in todo] +
-                                [h.src.seq_id for h in fixes])
-        if out is None:
-            return None
-        self._hist_rows = hist
+        return _FirstRound(todo, windows, [src.seq_id for src in todo] +
+                           [h.src.seq_id for h in fixes], fixes, lengths, hist)
+
+    def _first_entries(self, first: _FirstRound, out: DraftOutput, offset: int):
+        """Round 1's (hypotheses, entries, the a = m hypotheses for round 2), from its
+        windows' rows of `out` (from row `offset` on)."""
+        c, todo, lengths = self.config, first.todo, first.lengths
+        self._hist_rows = first.hist
         S = len(todo)
-        bonus = self.model.logits(1, out.chain[:S, 0])  # [S, V]: x[N'+m+1]
+        bonus = self.model.logits(1, out.chain[offset:offset + S, 0])  # [S, V]: x[N'+m+1]
         plan, entries, finals = [], [], []
         for row, src in enumerate(todo):
-            entry = bonus_entry(src, out, row, src.temperature > 0)
+            entry = bonus_entry(src, out, offset + row, src.temperature > 0)
             p_b = float(bonus[row].float().softmax(-1)[entry.outcome[-1]])
             plan.append(Hypothesis(src, entry.outcome, src.chain[:src.verify.shape[0]],
                                    lengths[src.seq_id][-1] * p_b))
             entries.append(entry)
-            finals += full_accepts(src, bonus[row], out.chain[row, 0], c.ahead_fanout,
-                                   lengths[src.seq_id][-1])
-        plan += fixes
-        entries += [self._chain_entry(h, out, S + i) for i, h in enumerate(fixes)]
-        return plan, entries, select(finals, c.ahead_rows, hist, {s: 0.0 for s in hist})
+            finals += full_accepts(src, bonus[row], out.chain[offset + row, 0],
+                                   c.ahead_fanout, lengths[src.seq_id][-1])
+        plan += first.fixes
+        entries += [self._chain_entry(h, out, offset + S + i)
+                    for i, h in enumerate(first.fixes)]
+        return plan, entries, select(finals, c.ahead_rows, first.hist,
+                                     {s: 0.0 for s in first.hist})
 
     def _hypothesis_window(self, h: Hypothesis) -> Window:
         return hypothesis_window(h, (), *self._history(h.src.seq_id))
 
     def _history(self, seq_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The rows a look-ahead window starts with: the history rows, and on an early
-        look-ahead (`look_ahead_early`) the rows its update brings after them."""
+        look-ahead's first round (`_early_sources`) the rows its update brings after
+        them."""
         if seq_id in self._early:
             return self._early[seq_id][:2]
         st = self.seqs[seq_id]
@@ -140,14 +175,11 @@ class DraftAheadRounds:
         return self._early[seq_id][2] if seq_id in self._early else \
             self.seqs[seq_id].next_start
 
-    @torch.inference_mode()
-    def look_ahead_early(self, updates: Sequence[SeqUpdate]) -> list[DraftAhead]:
-        """Look-aheads for updates that verify the drafts of an entry this drafter
-        proposed (a hit), before those updates run: from the chain states that entry's
-        own round left at its last row, the update's rows (true h) extending the
-        history. Their entries are on the wire one exact round earlier, inside the
-        verifier's forward; the updates then ask for no look-ahead of their own.
-        Changes no sequence state."""
+    def _early_sources(self, updates: list[SeqUpdate]) -> list[AheadSource]:
+        """The look-ahead sources of the updates that verify the drafts of an entry this
+        drafter proposed (hits), taken before those updates commit: the chain states
+        that entry's round left at its last row, the update's rows (true h) extending
+        the history (`_history`, `_base`)."""
         todo = []
         for u in updates:
             st = self.seqs.get(u.seq_id)
@@ -159,12 +191,31 @@ class DraftAheadRounds:
             tokens = torch.cat([st.hist_tokens, torch.tensor(u.tokens, dtype=torch.int64)])
             self._early[u.seq_id] = (hidden, tokens, u.end)
             todo.append(src)
+        return todo
+
+    def _run_with_early(self, updates: list[SeqUpdate], windows: list[Window]
+                        ) -> tuple[DraftOutput, str | None, set[int]]:
+        """The exact round over `windows` (of `updates`), with the first look-ahead round
+        of its hits in the same batch (rows after the exact ones): a hit's look-ahead
+        costs no round of its own. NOTE: exact windows write the real blocks at rows from
+        their first row on; a scratch window of the same sequence starts at that same
+        row and reads only below it (a block copied before the round): they never meet.
+        Returns the output, why it ran eagerly, and the hits' sequences."""
+        self._first = None
+        todo = [] if self.cache.has_states or self.config.num_steps < 2 else \
+            self._early_sources(updates)
         try:
-            entries = self.look_ahead(todo) if todo else []
+            first = self._first_windows(todo, timed=False) if todo else None
+            if first is not None:
+                ran = self._run_scratch(first.windows, first.seq_ids, exact=windows)
+                if ran is not None:
+                    first.done = self._first_entries(first, ran[0], len(windows))
+                    self._first = first
+                    return *ran, set(self._early)
         finally:
-            self._early_done = set(self._early)
             self._early = {}
-        return entries
+        out, eager_reason = self._run(windows)
+        return out, eager_reason, set()
 
     @torch.inference_mode()
     def draft_hypotheses(self, hyps: list[Hypothesis]) -> list[DraftAhead]:
@@ -173,11 +224,11 @@ class DraftAheadRounds:
                 self._base(h.src.seq_id) == h.src.base]
         if not hyps:
             return []
-        out = self._run_scratch([self._hypothesis_window(h) for h in hyps],
+        ran = self._run_scratch([self._hypothesis_window(h) for h in hyps],
                                 [h.src.seq_id for h in hyps])
-        if out is None:
+        if ran is None:
             return []
-        return [self._chain_entry(h, out, row) for row, h in enumerate(hyps)]
+        return [self._chain_entry(h, ran[0], row) for row, h in enumerate(hyps)]
 
     def _chain_entry(self, h: Hypothesis, out: DraftOutput, row: int) -> DraftAhead:
         """A full-K entry, its chain states kept for an early look-ahead on its hit."""
@@ -188,11 +239,14 @@ class DraftAheadRounds:
             h.src.seed)
         return entry
 
-    def _run_scratch(self, windows: list[Window], seq_ids: list[int]) -> DraftOutput | None:
-        """Run `windows` (their blocks unset) of `seq_ids` on scratch blocks; None when
-        the pool cannot hold them (a look-ahead is only a guess)."""
+    def _run_scratch(self, windows: list[Window], seq_ids: list[int],
+                     exact: list[Window] = ()) -> tuple[DraftOutput, str | None] | None:
+        """Run `windows` (their blocks unset) of `seq_ids` on scratch blocks, after the
+        `exact` windows (real blocks) in one batch: the output and why it ran eagerly
+        (`_run`). None when the pool cannot hold them (a look-ahead is only a guess),
+        and then nothing ran."""
         held: list[int] = []
-        ready = []
+        ready = list(exact)
         for w, seq_id in zip(windows, seq_ids, strict=True):
             blocks = self._scratch(seq_id, w)
             if blocks is None:
@@ -200,17 +254,18 @@ class DraftAheadRounds:
                 return None
             held += blocks[w.first_pos // self.allocator.block_size:]
             ready.append(replace(w, blocks=tuple(blocks)))
-        self._clock = None  # NOTE: the observer times exact rounds only
+        if not exact:
+            self._clock = None  # NOTE: the observer times exact rounds only
         started = time.perf_counter()
         try:
-            out, _ = self._run(ready)
+            out, eager_reason = self._run(ready)
         finally:
             self.allocator.free(held)
         self.ahead_rounds += 1
-        if self.ahead_clock is not None:
+        if self.ahead_clock is not None and not exact:
             self.ahead_clock.round_done(sum(w.num_rows for w in ready),
                                         time.perf_counter() - started)
-        return out
+        return out, eager_reason
 
     def _scratch(self, seq_id: int, w: Window) -> list[int] | None:
         """A copy-on-write table for `w`: the sequence's blocks below the one holding
@@ -233,6 +288,21 @@ class DraftAheadRounds:
         self.seqs[upd.seq_id].verifying = verify.shape[0]
         return AheadSource(upd.seq_id, upd.end, verify, out.chain[row],
                            window.temperature, window.seed)
+
+
+@dataclass(eq=False)
+class _FirstRound:
+    """A first look-ahead round: its sources, windows (bonus passes, then corrections)
+    and their sequences, the corrections, P(a) per sequence, history rows per sequence,
+    and once it ran, its (hypotheses, entries, a = m hypotheses)."""
+
+    todo: list[AheadSource]
+    windows: list[Window]
+    seq_ids: list[int]
+    fixes: list[Hypothesis]
+    lengths: dict[int, list[float]]
+    hist: dict[int, int]
+    done: tuple | None = None
 
 
 def _within(hyps: list[Hypothesis], rows: int, hist_rows: dict[int, int]) -> list[Hypothesis]:

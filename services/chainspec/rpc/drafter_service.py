@@ -33,7 +33,6 @@ from chainspec.engine.draft_types import (
     SeqFailure,
     SeqOutcome,
     SeqUpdate,
-    UpdateBatch,
 )
 from chainspec.engine.drafter import DrafterEngine
 from chainspec.engine.fingerprint import model_fingerprint
@@ -110,15 +109,16 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 if self.trace is not None:
                     self.trace.mark(request.batch_id, "d_recv")
                 # NOTE: on the loop's thread (the engine's); see the module docstring
-                decoded = self.decode(request)
-                early = self.look_ahead_early(stream, request.batch_id, decoded[0])
-                if early is not None:  # a hit's look-ahead, before its exact round
-                    yield early
-                response = self.answer(stream, request, decoded)
-                pending = self.engine.pending_ahead()  # NOTE: before another stream's round
+                response = self.answer(stream, request, self.decode(request))
+                # NOTE: taken before another stream's round can replace them
+                early, pending = self.engine.pending_early(), self.engine.pending_ahead()
                 if self.trace is not None:
                     self.trace.mark(request.batch_id, "d_send")
                 yield response
+                if early is not None:  # the hits' look-ahead, its first round done
+                    ahead = self.look_ahead_early(stream, request.batch_id, early)
+                    if ahead is not None:
+                        yield ahead
                 if pending:  # draft-ahead: after the answer is on its way (DESIGN 4.8)
                     ahead = self.look_ahead(stream, request.batch_id, pending)
                     if ahead is not None:
@@ -227,15 +227,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return self._ahead_response(stream, batch_id, lambda: self.engine.look_ahead(pending))
 
     def look_ahead_early(self, stream: _Stream, batch_id: int,
-                         batch: UpdateBatch) -> pb.DraftResponse | None:
-        """The look-ahead for updates that verify one of our entries, ahead of the
-        batch's own round (DrafterEngine.look_ahead_early)."""
-        if self.draining or not any(u.verifying for u in batch.updates):
-            return None
-        scoped = [replace(u, seq_id=stream.ids[u.seq_id]) for u in batch.updates
-                  if u.verifying and u.seq_id in stream.ids]
+                         first) -> pb.DraftResponse | None:
+        """The look-ahead for `batch_id`'s updates that verified one of our entries,
+        whose first round ran in their exact round (DrafterEngine.look_ahead_early)."""
         return self._ahead_response(stream, batch_id,
-                                    lambda: self.engine.look_ahead_early(scoped))
+                                    lambda: self.engine.look_ahead_early(first))
 
     def _ahead_response(self, stream: _Stream, batch_id: int, run) -> pb.DraftResponse | None:
         back = {eid: sid for sid, eid in stream.ids.items()}
