@@ -140,6 +140,7 @@ def test_outputs_equal_with_caching_on_and_off_under_eviction(pair, temperature)
     assert on == off
     assert cache.hits > 0 and drafter_cache.hits == drafter_cache.queries > 0
     assert evicted and drafter_evicted  # the pools were too small to keep everything
+    assert eng.preemptions > 0  # ... and the verifier's to run three sequences at once
     assert eng.resyncs == 0  # every drafter hit was whole
     assert sum(c.stats.accepted_tokens for c in result.completions) > 0
 

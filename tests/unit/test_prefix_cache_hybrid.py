@@ -111,6 +111,35 @@ def test_outputs_equal_with_caching_on_and_off_under_eviction(models, k, tempera
     assert eng.allocator.num_used == 0
 
 
+@pytest.mark.parametrize(("k", "temperature"), [(2, 0.0), (3, 0.8)])
+def test_outputs_equal_with_both_pools_evicting_and_sequences_preempted(models, k,
+                                                                        temperature):
+    """Pressure everywhere at once: three sequences in a verifier pool that holds fewer
+    (preemptions: a preempted hybrid sequence comes back through a hit and a snapshot),
+    cached blocks evicted in the verifier and in the drafter (so a verifier hit may miss
+    in the drafter), sampled drafts. Greedy and seeded sampling give the tokens of
+    caching off."""
+    target, draft = models
+    batch = _shared_prompts(8)
+    got = {}
+    for caching in (False, True):
+        eng = engine(target, draft, k=k, max_seqs=3, chunk=7, kv=_kv(24, caching, 12),
+                     drafter_kv=_kv(34, caching))
+        if caching:
+            evicted = _evicted_blocks(eng.allocator.cache)
+            drafter_evicted = _evicted_blocks(eng.drafter.engine.allocator.cache)
+        got[caching], result = outputs(eng, batch, 12, temperature)
+    assert got[True] == got[False]
+    assert eng.preemptions > 0 and evicted and drafter_evicted
+    drafter_cache = eng.drafter.engine.allocator.cache
+    assert eng.claims.snapshots.loaded > 0 and drafter_cache.hits > 0
+    # every verifier hit is asked of the drafter; one it evicted meanwhile is a miss,
+    # and a miss falls back to a resync (DESIGN 4.12), never to other drafts
+    assert drafter_cache.queries == eng.allocator.cache.hits
+    assert (eng.resyncs > 0) == (drafter_cache.hits < drafter_cache.queries)
+    assert sum(c.stats.accepted_tokens for c in result.completions) > 0
+
+
 def scratch_state(target, tokens: list[int]) -> list[torch.Tensor]:
     """Every recurrent layer's state parts after a prefill of `tokens` from zero."""
     specs = target.cache_specs()
