@@ -262,3 +262,36 @@ def test_a_reader_behind_gets_several_steps_in_one_output(pair) -> None:
         return tokens, n
     tokens, n = asyncio.run(main())
     assert tokens == expected and n < 30
+
+
+def test_steps_landing_while_the_loop_is_busy_share_one_wake_up(pair) -> None:
+    """While a wake-up waits for a busy event loop, later steps' outputs join it rather
+    than each writing another (a self-pipe write and a GIL hand-off per step); every token
+    still arrives, in order, as the sync engine makes them."""
+    target, _ = pair
+    ps = prompts(1)
+    expected = outputs(engine(target), ps, max_tokens=30)[0][0]
+
+    async def main():
+        loop, wakes = asyncio.get_running_loop(), []
+        post = loop.call_soon_threadsafe
+
+        def counted(fn, *args, **kw):
+            wakes.append(getattr(fn, "__name__", ""))
+            return post(fn, *args, **kw)
+        loop.call_soon_threadsafe = counted
+        av = AsyncVerifier(engine(target))
+        tokens, busy = [], None
+        try:
+            async for out in av.generate("r", ps[0], GREEDY, StopConditions(max_tokens=30)):
+                tokens.extend(out.new_tokens)
+                if busy is None:
+                    steps, posted = av.steps, len(wakes)
+                    time.sleep(0.5)  # NOTE: blocks the loop; the engine keeps stepping
+                    busy = (av.steps - steps, wakes[posted:])
+        finally:
+            av.shutdown()
+        return tokens, busy
+    tokens, (steps, posted) = asyncio.run(main())
+    assert tokens == expected
+    assert steps >= 5 and posted == ["_wake"]

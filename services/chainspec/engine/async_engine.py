@@ -4,8 +4,10 @@ Threading model: the engine is not thread-safe, so every engine call (add, abort
 and anything passed to `call`) runs on the engine thread, fed by a command queue. The
 thread steps while the engine has work and sleeps on the queue when idle (no busy spin);
 a new command wakes it. Outputs of a step go back to the event loop in one
-`loop.call_soon_threadsafe` per loop and land in per-request asyncio queues; a reader
-that finds several outputs waiting takes them as one (`_coalesce`).
+`loop.call_soon_threadsafe` per loop and land in per-request asyncio queues; while that
+wake-up waits to run, later steps' outputs join it (no second wake-up: each one is a
+self-pipe write and a GIL hand-off on the engine's critical path); a reader that finds
+several outputs waiting takes them as one (`_coalesce`).
 
 Clients cannot kill the thread: a caller that gives up (cancelled while its command is
 queued) leaves a cancelled future that the thread skips; a closed event loop is skipped
@@ -68,6 +70,9 @@ class AsyncVerifier:
         self.capacity = engine.config.max_seqs + max_waiting  # running + waiting
         self._streams: dict[str, _Stream] = {}
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        # outputs posted to a loop whose wake-up has not run yet (guarded by the lock)
+        self._pending: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
+        self._pending_lock = threading.Lock()
         self._running = 0  # engine.num_running as of the last step (engine thread writes)
         self.steps = 0  # engine steps run, and their wall time (benchmarks, metrics)
         self.step_s_total = 0.0
@@ -203,6 +208,12 @@ class AsyncVerifier:
             raise EngineStopped(self._stopped)
         self._commands.put(command)
 
+    def _wake(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On `loop`: deliver every output posted to it since its wake-up was asked."""
+        with self._pending_lock:
+            outputs = self._pending.pop(loop, [])
+        self._deliver(outputs)
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """On the event loop: hand each output to its request's stream."""
         for out in outputs:
@@ -263,7 +274,15 @@ class AsyncVerifier:
             if stream is not None:
                 by_loop.setdefault(stream.loop, []).append(out)
         for loop, outs in by_loop.items():
-            _post(loop, self._deliver, outs)
+            with self._pending_lock:
+                waiting = self._pending.get(loop)
+                if waiting is not None:  # a wake-up is on its way: it takes these too
+                    waiting.extend(outs)
+                    continue
+                self._pending[loop] = outs
+            if not _post(loop, self._wake, loop):
+                with self._pending_lock:  # NOTE: a closed loop: nobody will take them
+                    self._pending.pop(loop, None)
 
 
 def _coalesce(out: RequestOutput, waiting: asyncio.Queue
@@ -283,9 +302,10 @@ def _coalesce(out: RequestOutput, waiting: asyncio.Queue
     return out, None
 
 
-def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    """`fn(*args)` on `loop`, unless that loop has closed (its clients are gone)."""
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> bool:
+    """`fn(*args)` on `loop`, unless that loop has closed (its clients are gone): False."""
     try:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # closed between our look and the call: nobody is listening
-        pass
+        return False
+    return True
