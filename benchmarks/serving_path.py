@@ -48,10 +48,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from chainspec.benchserve import stack
 from chainspec.benchserve.client import send
@@ -193,10 +195,28 @@ def engine_bench(args) -> dict:
             _run_batches(_ENGINES[spec], _ENGINES["prompts"][:8], args.max_tokens)
     out = {}
     for spec in (True, False):
-        wall, cpu, tokens = _run_batches(_ENGINES[spec], _ENGINES["prompts"], args.max_tokens)
+        engine = _ENGINES[spec]
+        engine.observer = counter = _StepCounter()
+        wall, cpu, tokens = _run_batches(engine, _ENGINES["prompts"], args.max_tokens)
+        engine.observer = None
         mode = "spec" if spec else "plain"
         out[f"{mode}_tok_s"], out[f"{mode}_cpu_ms_per_token"] = tokens / wall, 1e3 * cpu / tokens
+        out[f"{mode}_mean_batch"] = counter.items / max(counter.steps, 1)
     return out
+
+
+class _StepCounter:
+    """An engine observer: steps with work and the sequences they ran."""
+
+    steps = items = 0
+
+    def request_added(self, *_) -> None:
+        pass
+
+    def step_done(self, step) -> None:
+        if step.work:
+            self.steps += 1
+            self.items += sum(w.num_rows > 0 for w in step.work)
 
 
 def _run_batches(engine, prompts: list, max_tokens: int) -> tuple[float, float, int]:
@@ -215,8 +235,13 @@ def _run_batches(engine, prompts: list, max_tokens: int) -> tuple[float, float, 
     return wall, cpu, tokens
 
 
-async def load(url: str, model: str, args, concurrency: int = 8) -> dict:
-    """`args.requests` requests, `concurrency` at a time; tokens/s and TPOT p50."""
+async def load(url: str, model: str, args, concurrency: int = 8,
+               on_steady_end: Callable[[], None] | None = None) -> dict:
+    """`args.requests` requests, `concurrency` at a time; tokens/s and TPOT p50.
+    `on_steady_end()` runs (on a thread) when `concurrency` requests are left to send:
+    up to the last send every finished request is replaced at once (the closed loop's
+    steady state; after it the tail drains with fewer running), and the margin keeps a
+    slow snapshot (the verifier renders its metrics between steps) inside it."""
     data = heldout(DEMO_MODEL, args.max_tokens).requests
     queue = collections.deque(data[i % len(data)] for i in range(args.requests))
     results = []
@@ -224,7 +249,10 @@ async def load(url: str, model: str, args, concurrency: int = 8) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
         async def worker() -> None:
             while queue:
-                results.append(await send(client, queue.popleft(), model))
+                req = queue.popleft()
+                if len(queue) == concurrency and on_steady_end is not None:
+                    await asyncio.to_thread(on_steady_end)
+                results.append(await send(client, req, model))
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
@@ -233,24 +261,86 @@ async def load(url: str, model: str, args, concurrency: int = 8) -> dict:
         raise RuntimeError(f"{len(bad)} requests failed: {bad[:3]}")
     tokens = sum(r.output_tokens for r in results)
     tpots = [r.tpot_s for r in results if r.tpot_s is not None]
-    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+    return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "t0": t0,
             "tpot_p50_ms": 1e3 * statistics.median(tpots)}
 
 
-def served_point(url: str, model: str, args, procs) -> dict:
+def verifier_metrics_urls(url: str) -> list[str]:
+    """The verifiers' /metrics, found through the gateway's /v1/metrics/targets."""
+    groups = httpx.get(f"{url}/v1/metrics/targets").raise_for_status().json()
+    return [f"http://{t}{g['labels'].get('__metrics_path__', '/metrics')}"
+            for g in groups if g["labels"].get("role") == "verifier" for t in g["targets"]]
+
+
+def step_counters(urls: list[str]) -> dict[str, float]:
+    """The verifiers' step counters: steps with work, their seconds (verify plus the draft
+    wait), the sequences they ran (verify rounds of every depth, and requests scheduled:
+    one final prefill item each, as the prompts fit one chunk), the tokens streamed."""
+    names = {"chainspec_verify_step_seconds_count": "steps",
+             "chainspec_verify_step_seconds_sum": "step_s",
+             "chainspec_draft_wait_seconds_sum": "step_s",
+             "chainspec_spec_decode_depth_total": "rounds",
+             "chainspec_generation_tokens_total": "tokens",
+             "chainspec_request_queue_time_seconds_count": "scheduled"}
+    out = dict.fromkeys(names.values(), 0.0)
+    for u in urls:
+        for family in text_string_to_metric_families(httpx.get(u).text):
+            for s in family.samples:
+                if s.name in names:
+                    out[names[s.name]] += s.value
+    return out
+
+
+def snapshot(urls: list[str], procs: dict) -> dict:
+    """Counters and CPU times at one moment: `t` and `cpu` are the midpoints of the scrape
+    (which the verifier renders between its own steps), `scrape_s` its length."""
+    t0, cpu0 = time.perf_counter(), cpu_s(procs)
+    steps = step_counters(urls)
+    t1, cpu1 = time.perf_counter(), cpu_s(procs)
+    return {"t": (t0 + t1) / 2, "scrape_s": t1 - t0, "steps": steps,
+            "cpu": {role: (cpu0[role] + cpu1[role]) / 2 for role in cpu0}}
+
+
+def window(before: dict, after: dict, wall_s: float) -> dict:
+    """Figures between two snapshots: tokens/s, mean sequences per verifier step, the
+    share of the wall time the verifier spent in steps (the rest: idle, waiting for
+    requests), CPU ms per token by process."""
+    d = {k: after["steps"][k] - before["steps"][k] for k in before["steps"]}
+    tokens = max(d["tokens"], 1)
+    return {"tokens": int(d["tokens"]), "wall_s": wall_s, "tok_s": d["tokens"] / wall_s,
+            "verifier_steps": int(d["steps"]),
+            "mean_batch": (d["rounds"] + d["scheduled"]) / max(d["steps"], 1),
+            "busy_share": d["step_s"] / wall_s,
+            "cpu_ms_per_token": {role: 1e3 * (after["cpu"][role] - before["cpu"][role]) /
+                                 tokens for role in after["cpu"]}}
+
+
+def served_point(url: str, model: str, args, procs, concurrency: int = 8) -> dict:
     """One load point; CPU ms per output token by process, and by thread in the verifier
-    and the gateway (where the GIL is shared)."""
+    and the gateway (where the GIL is shared); the verifier's occupancy, over the whole
+    point and over its steady state (`steady`: up to `concurrency` requests before the
+    last send)."""
     names = {role: thread_names(procs[role].pid) for role in ("verifier", "gateway")}
     threads = {role: thread_cpu(procs[role], names[role]) for role in names}
-    before = cpu_s(procs)
-    r = asyncio.run(load(url, model, args))
-    after = cpu_s(procs)
-    r["cpu_ms_per_token"] = {role: 1e3 * (after[role] - before[role]) / r["tokens"]
-                             if role in procs else 0.0 for role in ORDER}  # 0: none runs
+    urls = verifier_metrics_urls(url)
+    snap = lambda: snapshot(urls, procs)  # noqa: E731
+    start, drained = snap(), {}
+    r = asyncio.run(load(url, model, args, concurrency,
+                         on_steady_end=lambda: drained.update(snap())))
+    end = snap()
+    whole = window(start, end, end["t"] - start["t"])
+    r["steady"] = window(start, drained, drained["t"] - r["t0"])
+    r["steady"]["scrape_s"] = drained["scrape_s"]
+    r.update({k: whole[k] for k in ("verifier_steps", "mean_batch", "busy_share")})
+    r["cpu_ms_per_token"] = {role: 1e3 * (end["cpu"][role] - start["cpu"][role]) /
+                             r["tokens"] if role in procs else 0.0
+                             for role in ORDER}  # 0: none runs
+    r["steady"]["cpu_ms_per_token"] = {role: r["steady"]["cpu_ms_per_token"].get(role, 0.0)
+                                       for role in ORDER}
     r["thread_cpu_ms_per_token"] = {}
-    for role, start in threads.items():
+    for role, begin in threads.items():
         delta = thread_cpu(procs[role], names[role])
-        delta.subtract(start)
+        delta.subtract(begin)
         r["thread_cpu_ms_per_token"][role] = {
             name: round(1e3 * v / r["tokens"], 4) for name, v in delta.most_common() if v > 0}
     return r
@@ -365,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=32, help="requests per point")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine bench")
+    p.add_argument("--queued", type=int, default=8, help="the full points' requests "
+                   "beyond the 8 running (concurrency 8 + this)")
     p.add_argument("--profile", type=int, default=0, help="py-spy seconds (0: off)")
     p.add_argument("--local-stack", action="store_true",
                    help="also serve with --drafter-mode local (speculative points)")
@@ -408,12 +500,16 @@ def run_stack(args, env: dict, state: Path, cores: list[int], extra: list[str]
         procs = stack_processes(serve)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         asyncio.run(load(url, model, argparse.Namespace(**{**vars(args), "requests": 8})))
+        full = 8 + args.queued  # NOTE: max_num_seqs is 8: `queued` wait, 8 run every step
         for _ in range(args.repeats):
             run = {"load_avg_1m": os.getloadavg()[0], "engine": engine_bench(args),
-                   "serve_spec": served_point(url, model, args, procs)}
+                   "serve_spec": served_point(url, model, args, procs),
+                   "serve_spec_full": served_point(url, model, args, procs, full)}
             if remote:
                 scale(url, 0)
-                run["serve_plain"] = served_point(url, model, args, stack_processes(serve))
+                plain = stack_processes(serve)
+                run["serve_plain"] = served_point(url, model, args, plain)
+                run["serve_plain_full"] = served_point(url, model, args, plain, full)
                 scale(url, 1)
                 procs = stack_processes(serve)  # NOTE: a new drafter actor, a new process
             runs.append(run)
@@ -448,30 +544,40 @@ def summarize(args, argv, runs, shares, cores, local: list[dict]) -> dict:
                                          ("spec_local", "spec", "serve_spec", local)):
         if rs:
             out[mode] = mode_summary(rs, engine_mode, point, roles)
+            out[f"{mode}_full"] = mode_summary(rs, engine_mode, f"{point}_full", roles)
     return out
 
 
 def mode_summary(runs: list[dict], engine_mode: str, point: str, roles: list[str]) -> dict:
-    """Medians over runs, and two ratios per run: tokens/s served over the engine's (what
-    the target reads; other load on the box moves both), and CPU: the engine's CPU ms
-    per token over the served critical path's (the verifier process, plus the drafter
-    actor, which a g1 round waits for in series); that is the tokens/s ratio a box with a
-    core for each process would give."""
+    """Medians over runs, and ratios per run: tokens/s served over the engine's, over the
+    whole point and over its steady state (what the target reads; other load on the box
+    moves both), and CPU: the engine's CPU ms per token over the served critical path's
+    in the steady state (the verifier process, plus the drafter actor, which a g1 round
+    waits for in series); that is the tokens/s ratio a box with a core for each process
+    would give."""
     def med(f) -> float:
         return statistics.median(f(r) for r in runs)
-    ratios = [r[point]["tok_s"] / r["engine"][f"{engine_mode}_tok_s"] for r in runs]
-    cpu_ratios = [r["engine"][f"{engine_mode}_cpu_ms_per_token"] /
-                  (r[point]["cpu_ms_per_token"]["verifier"] +
-                   r[point]["cpu_ms_per_token"]["drafter"]) for r in runs]
-    return {"engine_tok_s": med(lambda r: r["engine"][f"{engine_mode}_tok_s"]),
-            "engine_cpu_ms_per_token": med(
-                lambda r: r["engine"][f"{engine_mode}_cpu_ms_per_token"]),
+    engine = lambda r, k: r["engine"][f"{engine_mode}_{k}"]  # noqa: E731
+    steady = lambda r: r[point]["steady"]  # noqa: E731
+    ratios = [r[point]["tok_s"] / engine(r, "tok_s") for r in runs]
+    steady_ratios = [steady(r)["tok_s"] / engine(r, "tok_s") for r in runs]
+    cpu_ratios = [engine(r, "cpu_ms_per_token") /
+                  (steady(r)["cpu_ms_per_token"]["verifier"] +
+                   steady(r)["cpu_ms_per_token"]["drafter"]) for r in runs]
+    return {"engine_tok_s": med(lambda r: engine(r, "tok_s")),
+            "engine_cpu_ms_per_token": med(lambda r: engine(r, "cpu_ms_per_token")),
+            "engine_mean_batch": med(lambda r: engine(r, "mean_batch")),
             "serve_tok_s": med(lambda r: r[point]["tok_s"]),
+            "steady_tok_s": med(lambda r: steady(r)["tok_s"]),
+            "mean_batch": med(lambda r: r[point]["mean_batch"]),
+            "steady_mean_batch": med(lambda r: steady(r)["mean_batch"]),
+            "steady_busy_share": med(lambda r: steady(r)["busy_share"]),
             "ratio": statistics.median(ratios), "ratios": ratios,
+            "steady_ratio": statistics.median(steady_ratios), "steady_ratios": steady_ratios,
             "cpu_ratio": statistics.median(cpu_ratios), "cpu_ratios": cpu_ratios,
             "serve_tpot_p50_ms": med(lambda r: r[point]["tpot_p50_ms"]),
             "serve_cpu_ms_per_token": {
-                role: statistics.median(r[point]["cpu_ms_per_token"][role] for r in runs)
+                role: statistics.median(steady(r)["cpu_ms_per_token"][role] for r in runs)
                 for role in roles}}
 
 
@@ -487,18 +593,31 @@ def markdown(r: dict) -> str:
              "MTP modules in the verifier, as in the bare engine).", "",
              "Load average (1 min) at each run's start: " +
              ", ".join(f"{x['load_avg_1m']:.1f}" for x in r["runs"]) + ".", "",
-             "| mode | engine tok/s (b=8) | serve tok/s (c=8) | serve/engine (per run) | "
-             "target | CPU ratio (per run) | serve TPOT p50 (ms) |",
-             "|---|---|---|---|---|---|---|"]
-    modes = [m for m in ("plain", "spec", "spec_local") if m in r]
+             "The steady state is the closed loop until `concurrency` requests are left "
+             "to send (every finished request replaced at once; after the last send the "
+             "tail drains with fewer running). Mean batch: sequences per verifier step "
+             "(the bare engine's: per step of its batches of 8). CPU figures are the "
+             "steady state's. `_full` points: concurrency 8 + --queued with max_num_seqs "
+             "8, so a request always waits for a freed slot and 8 run every step, as in "
+             "the engine's batches (the c=8 points lose occupancy to each request's "
+             "turnaround: finish, client, gateway, admission, prefill).", "",
+             "| mode | engine tok/s (b=8) | engine mean batch | serve tok/s (c=8, whole) | "
+             "serve mean batch (whole, steady) | verifier busy (steady) | "
+             "serve/engine, whole (per run) | steady (per run) | target | "
+             "CPU ratio (per run) | serve TPOT p50 (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    modes = [m for base in ("plain", "spec", "spec_local") for m in (base, f"{base}_full")
+             if m in r]
     for mode in modes:
         m = r[mode]
-        per_run = ", ".join(f"{x:.2f}" for x in m["ratios"])
-        per_run_cpu = ", ".join(f"{x:.2f}" for x in m["cpu_ratios"])
-        lines.append(f"| {mode} | {m['engine_tok_s']:.0f} | {m['serve_tok_s']:.0f} | "
-                     f"{m['ratio']:.2f}x ({per_run}) | >= {TARGET} "
-                     f"({'met' if m['ratio'] >= TARGET else 'not met'}) | "
-                     f"{m['cpu_ratio']:.2f}x ({per_run_cpu}) | "
+        per = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+        lines.append(f"| {mode} | {m['engine_tok_s']:.0f} | {m['engine_mean_batch']:.2f} | "
+                     f"{m['serve_tok_s']:.0f} | {m['mean_batch']:.2f}, "
+                     f"{m['steady_mean_batch']:.2f} | {m['steady_busy_share']:.0%} | "
+                     f"{m['ratio']:.2f}x ({per(m['ratios'])}) | "
+                     f"{m['steady_ratio']:.2f}x ({per(m['steady_ratios'])}) | >= {TARGET} "
+                     f"({'met' if m['steady_ratio'] >= TARGET else 'not met'}) | "
+                     f"{m['cpu_ratio']:.2f}x ({per(m['cpu_ratios'])}) | "
                      f"{m['serve_tpot_p50_ms']:.1f} |")
     engine = ", ".join(f"{m} {r[m]['engine_cpu_ms_per_token']:.3f}" for m in modes)
     lines += ["", "CPU ms per output token, each process over the point (the bare engine, "
