@@ -86,6 +86,27 @@ def test_a_hybrid_model_caches_prefixes_only_with_snapshots(models):
     assert off.allocator.cache is None and off.claims.snapshots is None
 
 
+def test_the_snapshot_pool_is_sized_by_its_option_from_config_to_engine(models):
+    """`state_snapshots` (--state-snapshots): a stack config's value reaches a verifier's
+    pool; unset, the pool holds the running states' kept rows; a negative one is refused
+    naming the key."""
+    from chainspec.cluster.config import StackConfig
+    from chainspec.engine.factory import build_verifier_engine
+    target, _ = models
+    base = {"block_size": BS, "max_model_len": 64, "max_num_seqs": 2,
+            "num_speculative_tokens": 2}
+    for given, want in ((5, 5), (None, 2 * 3), (0, None)):
+        opts = StackConfig.from_dict({**base, "state_snapshots": given}
+                                     ).local_options("verifier")
+        eng = build_verifier_engine(target, opts, None)
+        snaps = eng.claims.snapshots
+        assert (None if snaps is None else snaps.count) == want, given
+        assert (eng.allocator.cache is not None) == (want is not None)  # 0: no hits
+    with pytest.raises(ValueError, match="state_snapshots: input should be greater than "
+                                         "or equal to 0"):
+        StackConfig.from_dict({**base, "state_snapshots": -1})
+
+
 CASES = [  # (K, temperature); K None: plain decoding
     (None, 0.0), (None, 0.8), (1, 0.0), (2, 0.0), (3, 0.0), (2, 0.8), (3, 0.8)]
 

@@ -134,6 +134,7 @@ class StackConfig:
     speculative_depth: str = _s("speculative_depth")  # fixed K, or adaptive (4.11)
     seed: int | None = _s("seed")  # members' draws for unseeded requests
     enable_prefix_caching: bool = _s("enable_prefix_caching")  # verifiers share prefixes
+    state_snapshots: int | None = _s("state_snapshots")  # a hybrid verifier's, at block ends
     drafter: DrafterRoleConfig = field(default_factory=DrafterRoleConfig)
     verifier: RoleConfig = field(default_factory=RoleConfig)
     host: str = _s("grpc_host")  # gRPC bind address; 0.0.0.0 advertises the node's IP

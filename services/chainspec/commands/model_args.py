@@ -21,7 +21,7 @@ ENGINE_KEYS = ("model", "revision", "download_dir", "num_speculative_tokens", "c
                "speculative_config",
                "max_num_seqs", "max_model_len", "dtype", "kv_cache_memory_bytes",
                "kv_cache_fraction", "gpu_memory_utilization", "block_size", "draft_top_k",
-               "enforce_eager", "enable_prefix_caching", "seed")
+               "enforce_eager", "enable_prefix_caching", "state_snapshots", "seed")
 TP_KEYS = (*ENGINE_KEYS, "verifier.tensor_parallel_size", "speculative_depth")  # generate, bench
 DRAFTER_KEYS = (*(k for k in ENGINE_KEYS if k != "max_num_seqs"), "drafter_max_num_seqs",
                 "grpc_host", "drafter.tensor_parallel_size")

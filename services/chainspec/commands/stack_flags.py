@@ -113,6 +113,7 @@ STACK_FLAGS = (
     _row("draft_top_k"),
     _row("enforce_eager", "--eager"),
     _row("enable_prefix_caching"),
+    _row("state_snapshots", metavar="N"),
     _row("seed"),
     _row("grpc_host"),
     _row("namespace"),

@@ -94,6 +94,7 @@ class LocalOptions:
     speculative_depth: str = _s("speculative_depth")
     seed: int | None = _s("seed")  # this process's draws for requests that set no seed
     enable_prefix_caching: bool = _s("enable_prefix_caching")  # share full prompt blocks
+    state_snapshots: int | None = _s("state_snapshots")  # a hybrid's states at block ends
     # this engine's ranks (engine/tp_group.py): the target's; in a drafter's options
     # (`for_drafter`'s caller) its MTP modules'. An in-process drafter runs at 1. 1: no group
     tensor_parallel_size: int = _r("tensor_parallel_size")
@@ -122,7 +123,8 @@ class LocalOptions:
 
         return KVBudget(self.kv_cache_memory, self.kv_cache_fraction, self.kv_block_size,
                         utilization=self.gpu_memory_utilization,
-                        prefix_caching=self.enable_prefix_caching)
+                        prefix_caching=self.enable_prefix_caching,
+                        state_snapshots=self.state_snapshots)
 
     def for_drafter(self, max_seqs: int | None = None) -> LocalOptions:
         """These options for a drafter serving verifiers built from them: `max_seqs` slots

@@ -154,6 +154,11 @@ class StackSection(Section):
     enable_prefix_caching: bool = option(True, "verifiers share the KV blocks of equal "
                                          "prompt prefixes (vLLM's prefix caching)",
                                          chart="enablePrefixCaching")
+    state_snapshots: int | None = option(
+        None, "recurrent states a hybrid (Gated DeltaNet) verifier keeps at block ends for "
+        "prefix caching, paid out of its KV cache budget when one is set (default: "
+        "max_num_seqs x (K+1), as many as its running states; 0: hybrid models cache no "
+        "prefixes; attention-only models keep none)", ge=0)
     seed: int | None = option(None, "seeds the seeds each verifier gives requests that set "
                               "none, so a run repeats (vLLM's --seed; default: none, fresh "
                               "randomness)", ge=0, chart="seed")
