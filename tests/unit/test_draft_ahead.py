@@ -252,16 +252,28 @@ def test_released_sequence_gets_no_entry_and_bad_verifying_fails_alone() -> None
                                                        upd.hidden))])[0], DraftResult)
 
 
-def test_clock_fits_rows_in_the_shortest_recent_step() -> None:
+def test_clock_fits_rows_before_the_next_update_of_the_same_kind() -> None:
+    """The bound runs from the answer to the shortest recent interval between an answer
+    and the next update, among steps of the same kind: after a miss the verifier waits
+    for the answer, then verifies (long); after a hit it waited for nothing (short)."""
     clock = AheadClock(share=0.5)
     assert clock.rows_left(0.0) is None, "nothing measured: no bound yet"
-    for t in (0.0, 0.010, 0.030, 0.040):  # steps of 10, 20, 10 ms: 10 ms is the step
-        clock.update_started(t)
     clock.exact_done(0.002)  # a round's fixed cost: 2 ms
     clock.round_done(rows=10, seconds=0.003)  # and 0.1 ms a row beyond it
-    assert clock.rows_left(0.03995) == 30  # (half of 10 ms, less 2 ms) / 0.1 ms: 30.5
-    assert clock.rows_left(0.04195) == 10  # 10.5 rows
-    assert clock.rows_left(0.0435) == 0, "not even a round's fixed cost fits"
+    t = 0.0
+    for gap, hit in ((0.010, False), (0.020, False), (0.004, True), (0.012, False)):
+        clock.update_started(t)
+        clock.answered(t + 0.002, hit)  # the exact round: 2 ms
+        t += 0.002 + gap  # the next update, `gap` after the answer
+    clock.update_started(t)
+    clock.answered(t + 0.002, hit=False)
+    now = t + 0.002
+    assert clock.rows_left(now - 0.00005) == 30  # (10 ms / 2 - 2 ms) / 0.1 ms: 30.5
+    assert clock.rows_left(now + 0.00195) == 10  # 10.5 rows
+    assert clock.rows_left(now + 0.0035) == 0, "not even a round's fixed cost fits"
+    clock.update_started(now + 0.004)
+    clock.answered(now + 0.006, hit=True)  # a hit's interval was 4 ms: 0 ms left
+    assert clock.rows_left(now + 0.006) == 0
 
 
 def test_a_look_ahead_short_of_time_drafts_less_or_nothing() -> None:
@@ -339,3 +351,35 @@ def test_early_look_ahead_on_a_hit_rides_in_its_exact_round(chain) -> None:
     h = next(h for h in engine.ahead_plan if h.outcome == full.outcome)
     (ref,) = twin.update([SeqUpdate(0, start + len(hit.outcome), full.outcome, h.hidden)])
     assert ref.tokens.tolist() == full.drafts.tokens.tolist()
+
+
+def test_a_hit_beside_a_miss_answers_first_and_looks_ahead_from_its_entry() -> None:
+    """When another update of the batch is no hit, the verifier waits for the answer: the
+    round drafts the exact windows alone, and the hit's look-ahead follows the answer
+    with the miss's, from the chain states of the entry the hit verifies."""
+    k, rng = 3, random.Random(5)
+    engine = _engine(k, 2, True, ahead_rows=10_000, ahead_second_round=True)
+    twin = _engine(k, 2, True)
+    seqs = {i: Committed(rng, 9 + i) for i in range(2)}
+    for e in (engine, twin):
+        e.update([_ahead(prefill(i, s)) for i, s in seqs.items()])
+    entries = engine.look_ahead()
+    hit = next(e for e in entries if e.seq_id == 0 and e.drafts.tokens.shape == (k,))
+    key = (0, hit.drafts.position, tuple(hit.drafts.tokens.tolist()))
+    chain = engine._chained[key].chain
+    start = len(seqs[0].tokens) - 1
+    rows = torch.randn(len(hit.outcome), seqs[0].hidden.shape[1])
+    miss = seqs[1].extend(rng, 2)
+    updates = [_ahead(SeqUpdate(0, start, hit.outcome, rows), key[2]),
+               _ahead(SeqUpdate(1, miss.start, miss.tokens, miss.hidden))]
+    batches, run = [], engine._run
+    engine._run = lambda windows: batches.append(len(windows)) or run(windows)
+    got = engine.update(updates)
+    want = twin.update([SeqUpdate(u.seq_id, u.start, u.tokens, u.hidden) for u in updates])
+    assert batches == [2], "the exact windows alone"
+    assert [g.tokens.tolist() for g in got] == [w.tokens.tolist() for w in want]
+    assert engine.pending_early() is None
+    pending = {src.seq_id: src for src in engine.pending_ahead()}
+    assert set(pending) == {0, 1} and torch.equal(pending[0].chain, chain)
+    assert pending[0].verify.tolist() == list(key[2])
+    assert {e.seq_id for e in engine.look_ahead(list(pending.values()))} == {0, 1}

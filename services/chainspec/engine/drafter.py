@@ -161,17 +161,21 @@ class DrafterEngine(DraftAheadRounds):
         eager_reason = None
         self._ahead = []
         if accepted:
-            out, eager_reason, hits = self._run_with_early([u for _, u, _ in accepted],
-                                                           windows)
+            out, eager_reason, hits, merged = self._run_with_early(
+                [u for _, u, _ in accepted], windows)
             for row, (i, upd, window) in enumerate(accepted):
                 self._commit(upd, window)
                 outcomes[i] = self._result(upd, out, row)
-                if upd.seq_id in hits:  # its look-ahead's first round ran in this one
+                if upd.seq_id in hits:  # a hit: its look-ahead starts from the entry's chain
                     self.seqs[upd.seq_id].verifying = len(upd.verifying)
+                    if not merged:
+                        self._ahead.append(hits[upd.seq_id])
                 elif upd.look_ahead and upd.want_drafts and self.config.num_steps > 1:
                     self._ahead.append(self._ahead_source(upd, window, out, row))
-        if self.ahead_clock is not None and self._ahead:
-            self.ahead_clock.exact_done(time.perf_counter() - started)
+        if self.ahead_clock is not None and any(u.look_ahead for u in updates):
+            if self._ahead:
+                self.ahead_clock.exact_done(time.perf_counter() - started)
+            self.ahead_clock.answered(time.perf_counter(), hit=not self._ahead)
         if self.observer is not None:
             self._observe(started, windows, eager_reason, outcomes)
         return outcomes  # type: ignore[return-value]

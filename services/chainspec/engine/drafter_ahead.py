@@ -194,28 +194,32 @@ class DraftAheadRounds:
         return todo
 
     def _run_with_early(self, updates: list[SeqUpdate], windows: list[Window]
-                        ) -> tuple[DraftOutput, str | None, set[int]]:
-        """The exact round over `windows` (of `updates`), with the first look-ahead round
-        of its hits in the same batch (rows after the exact ones): a hit's look-ahead
-        costs no round of its own. NOTE: exact windows write the real blocks at rows from
-        their first row on; a scratch window of the same sequence starts at that same
-        row and reads only below it (a block copied before the round): they never meet.
-        Returns the output, why it ran eagerly, and the hits' sequences."""
+                        ) -> tuple[DraftOutput, str | None, dict[int, AheadSource], bool]:
+        """The exact round over `windows` (of `updates`). When every update that asks for
+        a look-ahead is a hit, their first look-ahead round runs in the same batch (rows
+        after the exact ones; `pending_early`): it costs no round of its own, and the
+        verifier waits for no answer. Else the answer comes first (the verifier waits
+        for it) and the hits' look-aheads follow it with the others'. NOTE: exact
+        windows write the real blocks at rows from their first row on; a scratch window
+        of the same sequence starts at that same row and reads only below it (a block
+        copied before the round): they never meet. Returns the output, why it ran
+        eagerly, the hits' sources by sequence, and whether their first round ran."""
         self._first = None
+        asking = sum(u.look_ahead and u.want_drafts for u in updates)
         todo = [] if self.cache.has_states or self.config.num_steps < 2 else \
             self._early_sources(updates)
+        hits = {src.seq_id: src for src in todo}
         try:
-            first = self._first_windows(todo, timed=False) if todo else None
-            if first is not None:
+            if todo and len(todo) == asking:
+                first = self._first_windows(todo, timed=False)
                 ran = self._run_scratch(first.windows, first.seq_ids, exact=windows)
                 if ran is not None:
                     first.done = self._first_entries(first, ran[0], len(windows))
                     self._first = first
-                    return *ran, set(self._early)
+                    return *ran, hits, True
         finally:
             self._early = {}
-        out, eager_reason = self._run(windows)
-        return out, eager_reason, set()
+        return *self._run(windows), hits, False
 
     @torch.inference_mode()
     def draft_hypotheses(self, hyps: list[Hypothesis]) -> list[DraftAhead]:

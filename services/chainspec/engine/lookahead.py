@@ -204,26 +204,35 @@ def _gain(covered: float, h: Hypothesis, rows: int) -> float:
 
 
 class AheadClock:
-    """How many look-ahead rows fit before the verifier's step ends: past that, the next
-    exact update would wait behind the look-ahead, and its entries arrive after the
-    verdict they guess. The step is taken as the shortest recent interval between updates
-    that ask for look-aheads (a step that waited for drafts is longer; a hit's is not).
-    A round costs a fixed part, taken as the exact round's time (on a CPU most of a small
-    round is per-layer overhead), plus a part per row, both exponential averages."""
+    """How many look-ahead rows fit before the verifier's next update arrives: past that,
+    the next exact update would wait behind the look-ahead, and its entries arrive after
+    the verdict they guess. The next update comes one verify step after the verifier had
+    what it waited for: our answer on a miss, its own update when every sequence held a
+    hit's drafts (then it waited for nothing). So the clock keeps the recent intervals
+    from an answer to the next update per kind of step (hit or miss), and a look-ahead
+    after an answer may end by `share` of the shortest of that kind. A round costs a
+    fixed part, taken as the exact round's time (on a CPU most of a small round is
+    per-layer overhead), plus a part per row, both exponential averages."""
 
     def __init__(self, share: float = 0.8, recent: int = 8, smoothing: float = 0.3) -> None:
-        self.share = share  # of the step the look-ahead may end by
+        self.share = share  # of the interval the look-ahead may end by
         self.smoothing = smoothing
-        self.gaps: collections.deque[float] = collections.deque(maxlen=recent)
+        self.gaps: dict[bool, collections.deque[float]] = {
+            hit: collections.deque(maxlen=recent) for hit in (False, True)}
         self.round_s: float | None = None  # a round's fixed cost
         self.row_s: float | None = None  # seconds per look-ahead row beyond it
-        self._last: float | None = None
-        self._update_started = 0.0
+        self._answered: float | None = None
+        self._hit = False  # the kind of the step answered last
 
     def update_started(self, now: float) -> None:
-        if self._last is not None:
-            self.gaps.append(now - self._last)
-        self._last = self._update_started = now
+        if self._answered is not None:
+            self.gaps[self._hit].append(now - self._answered)
+        self._answered = None
+
+    def answered(self, now: float, hit: bool) -> None:
+        """The exact answer is out; `hit`: the verifier holds drafts for every sequence
+        of the step (it waits for no answer)."""
+        self._answered, self._hit = now, hit
 
     def exact_done(self, seconds: float) -> None:
         self.round_s = self._average(self.round_s, seconds)
@@ -234,11 +243,12 @@ class AheadClock:
                                        max(rows, 1))
 
     def rows_left(self, now: float) -> int | None:
-        """Rows a look-ahead round may still have in this step (0: no round fits); None
-        while nothing is measured yet."""
-        if not self.gaps or self.round_s is None:
+        """Rows a look-ahead round may still have before the next update (0: no round
+        fits); None while nothing is measured yet."""
+        gaps = self.gaps[self._hit]
+        if not gaps or self.round_s is None or self._answered is None:
             return None
-        left = self.share * min(self.gaps) - (now - self._update_started) - self.round_s
+        left = self.share * min(gaps) - (now - self._answered) - self.round_s
         if left < 0:
             return 0
         return 10 ** 9 if not self.row_s else int(left / self.row_s)
