@@ -249,8 +249,9 @@ def main_http(args, argv) -> int:
             runs = run_sides(args, args.url, model_dir)
     report = summarize(args, argv, runs)
     report["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+    served = "the model below" if args.serve else "demo model"
     report["engine"] = ("`chainspec serve` (Ray: verifier + remote drafter actors, gateway; "
-                        "demo model, K=3, CPU), streamed /v1/completions")
+                        f"{served}, K=3, CPU), streamed /v1/completions")
     if args.serve:
         report["counters"] = moved
         report["model"] = (str(args.model) if args.model else
@@ -297,6 +298,7 @@ MEMBER_COUNTERS = {"drafter": ("chainspec_drafter_prefix_cache_queries",
                    "verifier": ("chainspec_spec_decode_num_drafts",
                                 "chainspec_spec_decode_num_draft_tokens",
                                 "chainspec_spec_decode_num_accepted_tokens",
+                                "chainspec_plain_decode_fallbacks",
                                 "chainspec_draft_resyncs")}
 
 
@@ -406,7 +408,7 @@ def markdown(r: dict) -> str:
         f"{r['user_tokens']}-token user message; replies of {r['reply_tokens']} tokens, "
         f"greedy. Medians of {r['repeats']} runs each, on and off taking turns.\n\n"
         "| prefix caching | TTFT p50 (ms) | TTFT p90 (ms) | throughput (tok/s) | "
-        "prompt tokens cached | drafter resyncs |\n|---|---|---|---|---|---|\n" + rows +
+        "prompt tokens cached (first run) | drafter resyncs |\n|---|---|---|---|---|---|\n" + rows +
         f"\nTTFT p50 {r['ttft_p50_ratio']}x lower (target >= "
         f"{r['targets']['ttft_p50_ratio']}: {'met' if met['ttft_p50_ratio'] else 'not met'}),"
         f" throughput {r['throughput_ratio']}x (target >= {r['targets']['throughput_ratio']}: "
@@ -429,6 +431,7 @@ def counters_markdown(r: dict) -> str:
              ("chainspec_spec_decode_num_drafts", "verify rounds with drafts"),
              ("chainspec_spec_decode_num_draft_tokens", "draft tokens"),
              ("chainspec_spec_decode_num_accepted_tokens", "accepted tokens"),
+             ("chainspec_plain_decode_fallbacks", "plain-decode fallbacks"),
              ("chainspec_draft_resyncs", "drafter resyncs")]
     c = r["counters"]
     rows = "".join(f"| {label} | {c['off'][k]:g} | {c['on'][k]:g} |\n" for k, label in names)
