@@ -17,14 +17,17 @@ plain by `SWITCH_MARGIN` (no flapping on noise); and after `EXPLORE_AFTER` plain
 one step asks for drafts again, so a load that fell is noticed. The step's other work is
 measured apart for steps that asked for drafts and steps that did not: the drafter
 client's threads (decoding drafts, encoding rows) take the GIL from the step, a cost of
-drafting. Last, the gate (`ModeGate`): the tokens per second steps actually made, from one
-step's start to the next, with drafts verified against with no drafter traffic at all,
-per batch-size bucket. It sees what the cost model cannot (the drafter's process taking
-the host's cores, the wire): once both are measured at the batch's size, it decides
-whether anyone drafts, and the model only spreads the depth. Probe
-spells keep both sides measured: after `PROBE_PLAIN_AFTER` drafting steps (`PROBE_SOON`
-until drafting measured a clear lead) `SPELL` steps draft nothing, after `EXPLORE_AFTER`
-plain steps `SPELL` steps draft at the caps.
+drafting. Last, the gate (`ModeGate`): the seconds steps actually took, from one step's
+start to the next, with drafts verified and with no drafter traffic at all, per batch-size
+bucket. It sees what the cost model cannot (the drafter's process taking the host's
+cores, the wire): once both are measured at the batch's size, its medians replace the
+model's step cost and draft round, and `choose_depths` decides on them with the
+sequences' own rates (a hard prompt goes plain alone; the next one drafts again). Probe
+spells keep both sides measured: after `PROBE_SOON` drafting steps (`PROBE_PLAIN_AFTER`
+once drafting measured a clear lead) `SPELL` steps draft nothing, after `EXPLORE_AFTER`
+plain steps `SPELL` + 1 steps draft at the caps; each probe that leaves the choice as it
+was doubles its period (to `MAX_BACKOFF` times), so a settled choice is rarely disturbed,
+and at high load plain decoding pays for a flush of held rows only now and then.
 
 `choose_depths` is the pure decision; `AdaptiveDepth` holds the estimates. Depth changes
 which drafts are verified, never how: the acceptance rule decides every token (3.3).
@@ -32,10 +35,11 @@ which drafts are verified, never how: the acceptance rule decides every token (3
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 PRIOR_RATE = 0.7  # global rate before any round is seen: optimistic, so drafting starts
 PRIOR_WEIGHT = 4.0  # rounds' worth of weight the global rate has in a sequence's estimate
@@ -44,13 +48,16 @@ GLOBAL_DECAY = 0.995  # global rates: slow forgetting
 COST_DECAY = 0.98  # step cost fit: weight of the past per step
 COST_WINDOW = 32  # steps in the rolling medians of the draft round and the overhead
 MIN_CLEAN = 4  # rounds without prompt rows before their median is trusted
-SWITCH_MARGIN = 0.02  # from plain, drafting must promise this much more tokens/s
+SWITCH_MARGIN = 0.05  # from plain, drafting must promise this much more tokens/s (the
+# switch sends the drafter every row held meanwhile: at 64 sequences, a second's round)
 EXPLORE_AFTER = 64  # plain steps in a row before one asks for drafts again
 PROBE_PLAIN_AFTER = 256  # drafting steps in a row before a plain spell, once drafting
 CLEAR_LEAD = 1.25  # measured this lead at the batch's size;
 PROBE_SOON = 32  # until then
-SPELL = 4  # steps of a probe spell (its first one only stops the drafter traffic)
-GATE_MIN = 3  # measured steps of each kind, at the batch's size, before the gate decides
+SPELL = 6  # steps of a plain probe spell (its first one only stops the drafter traffic;
+# a drafting spell has one more: its first two flush the held rows and wait for drafts)
+GATE_MIN = 5  # measured steps of each kind, at the batch's size, before the gate decides
+MAX_BACKOFF = 16  # probes at most 16x rarer once they keep confirming the choice
 
 
 @dataclass(frozen=True)
@@ -163,26 +170,80 @@ class _LinearFit:
         return max(0.0, my - b * mx), b
 
 
+def bucket(batch: int) -> int:
+    """The gate's batch-size bucket: an octave around a power of two (46..90 is 64's).
+    NOTE: not bit_length: a batch that hovers at 64 would split between 32..63 and 64..127."""
+    return round(math.log2(batch))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The gate's figures at one batch size, each a step's seconds less its rows' (the
+    median): `plain_s` of plain steps; `hit_s` of drafting steps with drafts in hand,
+    `miss_s` of those without (they waited out the round's deadline, then decoded
+    plain); `hit`, the share of drafting steps that had them."""
+
+    plain_s: float
+    hit_s: float
+    miss_s: float
+    hit: float
+
+    def step_cost(self, per_row_s: float) -> StepCost:
+        return StepCost(self.plain_s, per_row_s, max(0.0, self.hit_s - self.plain_s))
+
+    def lead(self, rates: Sequence[Sequence[float]], depths: Sequence[int],
+             per_row_s: float, other_rows: int = 0) -> float:
+        """Expected tokens per second drafting at `depths` over plain decoding's."""
+        n = len(depths)
+        if not n or not any(depths):
+            return 1.0
+        rows_s = per_row_s * (n + other_rows)
+        tokens = sum(expected_tokens(r, k) for r, k in zip(rates, depths, strict=True))
+        drafting_tokens = self.hit * tokens + (1 - self.hit) * n
+        drafting_s = self.hit * (self.hit_s + rows_s + per_row_s * sum(depths)) + \
+            (1 - self.hit) * (self.miss_s + rows_s)
+        plain_s = self.plain_s + rows_s
+        return drafting_tokens * plain_s / (n * drafting_s) if drafting_s > 0 else 1.0
+
+
 @dataclass
 class ModeGate:
-    """Measured tokens per second of steps that verified drafts and of steps with no
-    drafter traffic, per batch-size bucket (powers of two): rolling medians."""
+    """Measured seconds of steps (one step's start to the next one's), with their rows,
+    per batch-size bucket: steps of a drafting spell, and steps with no drafter traffic.
+    Times, not tokens per second: what a step yields is its sequences' own acceptance
+    (the rates); what it costs is the batch size's. NOTE: a gate on tokens per second let
+    one hard prompt's rounds (a token a round) price drafting out for the prompts after
+    it, while they stayed in the window: at c=1, plain in 492 of 804 rounds."""
 
     samples: dict[tuple[int, bool], deque] = field(default_factory=dict)
 
-    def add(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+    def add(self, batch: int, drafted: bool, rows: int, seconds: float,
+            verified: bool = False) -> None:
         if batch > 0 and seconds > 0:
-            key = (batch.bit_length(), drafted)
-            self.samples.setdefault(key, deque(maxlen=COST_WINDOW)).append(tokens / seconds)
+            key = (bucket(batch), drafted)
+            self.samples.setdefault(key, deque(maxlen=COST_WINDOW)).append(
+                (rows, seconds, verified))
 
-    def lead(self, batch: int) -> float | None:
-        """Drafting's tokens/s over plain's at this batch size (None until both kinds
-        have GATE_MIN steps there)."""
-        drafted = self.samples.get((batch.bit_length(), True), ())
-        plain = self.samples.get((batch.bit_length(), False), ())
-        if len(drafted) < GATE_MIN or len(plain) < GATE_MIN:
+    def count(self, batch: int, drafted: bool) -> int:
+        return len(self.samples.get((bucket(batch), drafted), ()))
+
+    def measured(self, batch: int, per_row_s: float) -> Measured | None:
+        """None until both kinds have GATE_MIN steps at this batch size."""
+        plain = self.samples.get((bucket(batch), False), ())
+        drafting = self.samples.get((bucket(batch), True), ())
+        if len(plain) < GATE_MIN or len(drafting) < GATE_MIN:
             return None
-        return statistics.median(drafted) / statistics.median(plain)
+        hits = [s - per_row_s * rows for rows, s, v in drafting if v]
+        misses = [s - per_row_s * rows for rows, s, v in drafting if not v]
+        if not hits:  # NOTE: no drafts ever in hand: hit_s is moot
+            miss = statistics.median(misses)
+            return Measured(_fixed(plain, per_row_s), miss, miss, 0.0)
+        return Measured(_fixed(plain, per_row_s), statistics.median(hits),
+                        statistics.median(misses or hits), len(hits) / len(drafting))
+
+
+def _fixed(steps, per_row_s: float) -> float:
+    return statistics.median(s - per_row_s * rows for rows, s, _ in steps)
 
 
 @dataclass
@@ -201,8 +262,11 @@ class AdaptiveDepth:
     drafting_steps: int = 0  # steps in a row that chose some
     gate: ModeGate = field(default_factory=lambda: ModeGate())
     spell: tuple[int, bool] = (0, False)  # probe steps left, and whether they draft
+    backoff: int = 1  # probe periods' factor: doubles while probes confirm the choice
+    lead: float = 0.0  # the last choice's measured tokens/s over plain's (0: unmeasured)
+    _probing: bool | None = None  # whether the steps before the running spell drafted
     _last: tuple[bool, bool] = (False, False)  # the previous step asked, had prompt rows
-    _verified_before: bool = False  # the previous step verified drafts
+    _asked_earlier: bool = False  # the step before the previous one asked for drafts
     _open: tuple | None = None  # the last step: start, busy s, overhead, asked, gate sample
 
     def __post_init__(self) -> None:
@@ -236,30 +300,48 @@ class AdaptiveDepth:
         cost = self.cost()
         if cost is None:
             return list(caps)
-        if self.plain_steps >= EXPLORE_AFTER:  # NOTE: re-measure drafting: load may fall
-            self.plain_steps, self.spell = 0, (SPELL, True)
-        lead = self.gate.lead(len(caps)) or 0.0
-        period = PROBE_PLAIN_AFTER if lead >= CLEAR_LEAD else PROBE_SOON
-        if self.drafting_steps >= period:  # and plain, without drafter traffic
-            self.drafting_steps, self.spell = 0, (SPELL, False)
+        n = len(caps)
+        rates = [self.rates(k) for k in keys]
+        measured = self.gate.measured(n, cost.per_row_s)  # NOTE: the model's until then
+        self._probe(n, measured is not None)
         left, draft = self.spell
         if left:
             self.spell = (left - 1, draft)
-            return list(caps) if draft else [0] * len(caps)
-        margin = SWITCH_MARGIN if self.plain_steps else 0.0
-        rates = [self.rates(k) for k in keys]
-        lead = self.gate.lead(len(caps))
-        if lead is None:  # not measured at this batch size: the model decides
-            out = choose_depths(rates, caps, cost, other_rows, margin)
-        elif lead < 1 + margin:
-            out = [0] * len(caps)
-        else:  # drafting measured faster: the model only spreads the depth
-            out = choose_depths(rates, caps, replace(cost, draft_s=0.0), other_rows)
-            out = out if any(out) else list(caps)
+            return list(caps) if draft else [0] * n
+        margin = SWITCH_MARGIN if self.plain_steps or self._probing is False else 0.0
+        if measured is None:  # NOTE: plain stays plain: a switch flushes every held row
+            out = [0] * n if self.plain_steps else choose_depths(rates, caps, cost, other_rows)
+            self.lead = 0.0
+        else:  # the model spreads the depth; drafting at all is the measurement's call
+            out = choose_depths(rates, caps, measured.step_cost(cost.per_row_s), other_rows)
+            self.lead = measured.lead(rates, out, cost.per_row_s, other_rows)
+            out = out if self.lead > 1 + margin else [0] * n
         drafting = any(out)
+        if self._probing is not None:  # a spell just ended: did it change the choice?
+            same = measured is not None and self._probing == drafting
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF) if same else 1
+            self._probing = None
         self.plain_steps = 0 if drafting else self.plain_steps + 1
         self.drafting_steps = self.drafting_steps + 1 if drafting else 0
         return out
+
+    def _probe(self, batch: int, measured: bool) -> None:
+        """Start a probe spell when one is due: the other mode, measured again."""
+        if self.spell[0]:
+            return
+        if self.plain_steps >= EXPLORE_AFTER * self.backoff:  # NOTE: load may fall
+            self.plain_steps, self.spell, self._probing = 0, (SPELL + 1, True), False
+            return
+        if not self.drafting_steps:
+            return
+        if self.gate.count(batch, False) < GATE_MIN:  # plain never measured here: soon
+            period = SPELL + GATE_MIN
+        elif measured and self.lead >= CLEAR_LEAD:
+            period = PROBE_PLAIN_AFTER
+        else:
+            period = min(PROBE_SOON * self.backoff, PROBE_PLAIN_AFTER)
+        if self.drafting_steps >= period:  # and plain, without drafter traffic
+            self.drafting_steps, self.spell, self._probing = 0, (SPELL, False), True
 
     def observe_round(self, key: Hashable, num_drafts: int, accepted: int) -> None:
         if num_drafts == 0:
@@ -270,8 +352,8 @@ class AdaptiveDepth:
 
     def observe_step(self, rows: int, forward_s: float, overhead_s: float, draft_s: float,
                      asked: bool, prompt_rows: bool = False,
-                     started_s: float | None = None, batch: int = 0, tokens: int = 0,
-                     verified: bool = False) -> None:
+                     started_s: float | None = None, batch: int = 0,
+                     verified: bool = False, idle_after: bool = False) -> None:
         """A step ran `rows` rows in `forward_s`; `overhead_s`: its other work but the
         drafter's; `draft_s`: its time in the drafter client (the wait for drafts, and
         an in-process drafter's round); `asked`: it asked for drafts; `prompt_rows`: it
@@ -279,9 +361,10 @@ class AdaptiveDepth:
         time until the next step starts to this step's overhead: a server's threads
         (streaming, the RPC server) take it from every step, more per step than the
         step itself on a busy host. NOTE: a remote round's wait falls in the step after
-        the one that asked, so both steps' flags qualify a sample. `batch`, `tokens`,
-        `verified`: its sequences, the tokens it committed, whether it verified drafts
-        (the gate's sample, with `started_s`)."""
+        the one that asked, so both steps' flags qualify a sample. `batch`, `verified`:
+        its verify windows, whether it verified drafts (the gate's sample, with `rows`
+        and `started_s`); `idle_after`: nothing was left to run after it, so the time to
+        the next step is idle, not its cost (no gate sample)."""
         if rows > 0:
             self.forward.add(rows, forward_s)
         asked_before, prompt_before = self._last
@@ -289,20 +372,24 @@ class AdaptiveDepth:
             self._overheads(asked).append(max(0.0, overhead_s))
         else:
             if self._open is not None:  # NOTE: idle waits count too; the median sees past
-                start, busy, overhead, was_asked, sample = self._open
+                start, busy, overhead, was_asked, sample, verified_then = self._open
                 self._overheads(was_asked).append(overhead + max(0.0, started_s - start - busy))
                 if sample is not None:
-                    self.gate.add(*sample, started_s - start)
-            # NOTE: the first round after a plain spell carries the held rows: not typical
-            kind = (True if self._verified_before else None) if verified else \
-                None if asked or asked_before else False
+                    self.gate.add(*sample, started_s - start, verified_then)
+            # NOTE: a drafting step asks for drafts and waits for the ones two drafting
+            # steps asked for, drafts in hand or not: a round past its deadline (a step that
+            # waited, then decoded plain) is drafting's cost too. The first rounds after a
+            # plain spell (the held rows' flush) are not typical, and are left out.
+            kind = True if asked and asked_before and self._asked_earlier else \
+                False if not (asked or asked_before or verified) else None
+            sample = None if kind is None or idle_after else (batch, kind, rows)
             self._open = (started_s, forward_s + overhead_s + draft_s, max(0.0, overhead_s),
-                          asked, None if kind is None else (batch, kind, tokens))
+                          asked, sample, verified)
         if asked or asked_before:
             self.rounds.append(draft_s)
             if not (prompt_rows or prompt_before):
                 self.clean_rounds.append(draft_s)
-        self._last, self._verified_before = (asked, prompt_rows), verified
+        self._last, self._asked_earlier = (asked, prompt_rows), asked_before
 
     def _overheads(self, asked: bool) -> deque:
         return self.overheads if asked else self.plain_overheads

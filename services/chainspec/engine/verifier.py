@@ -292,8 +292,8 @@ class VerifierEngine(DraftProtocol):
         self.depth.observe_step(sum(w.num_rows for w in work), forward_s, overhead_s, draft_s,
                                 any(u.want_drafts for u in updates),
                                 any(w.kind is WorkKind.PREFILL for w in work), started,
-                                len(verify), sum(v.accepted + 1 for _, v in verify),
-                                any(w.num_drafts for w, _ in verify))
+                                len(verify), any(w.num_drafts for w, _ in verify),
+                                not self.waiting and all(r.finished for r in self.running))
 
     def _observe(self, started: float, drafts_ready: float, work, verdicts, outputs) -> None:
         if self.observer is None:
