@@ -274,6 +274,9 @@ def test_clock_fits_rows_before_the_next_update_of_the_same_kind() -> None:
     clock.update_started(now + 0.004)
     clock.answered(now + 0.006, hit=True)  # a hit's interval was 4 ms: 0 ms left
     assert clock.rows_left(now + 0.006) == 0
+    clock.round_done(rows=10, seconds=0.100)  # one round descheduled: 10 ms a row
+    clock.round_done(rows=10, seconds=0.003)
+    assert clock.row_s == pytest.approx(0.0001), "the median: one outlier moves nothing"
 
 
 def test_a_look_ahead_short_of_time_drafts_less_or_nothing() -> None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import heapq
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -211,8 +212,10 @@ class AheadClock:
     hit's drafts (then it waited for nothing). So the clock keeps the recent intervals
     from an answer to the next update per kind of step (hit or miss), and a look-ahead
     after an answer may end by `share` of the shortest of that kind. A round costs a
-    fixed part, taken as the exact round's time (on a CPU most of a small round is
-    per-layer overhead), plus a part per row, both exponential averages."""
+    fixed part, taken as the exact round's time (an exponential average; on a CPU most
+    of a small round is per-layer overhead), plus a part per row: the median over
+    recent look-ahead rounds (NOTE: one round descheduled by another process must not
+    make every look-ahead look too long for a while)."""
 
     def __init__(self, share: float = 0.8, recent: int = 8, smoothing: float = 0.3) -> None:
         self.share = share  # of the interval the look-ahead may end by
@@ -220,7 +223,7 @@ class AheadClock:
         self.gaps: dict[bool, collections.deque[float]] = {
             hit: collections.deque(maxlen=recent) for hit in (False, True)}
         self.round_s: float | None = None  # a round's fixed cost
-        self.row_s: float | None = None  # seconds per look-ahead row beyond it
+        self._row_costs: collections.deque[float] = collections.deque(maxlen=4 * recent)
         self._answered: float | None = None
         self._hit = False  # the kind of the step answered last
 
@@ -239,8 +242,12 @@ class AheadClock:
 
     def round_done(self, rows: int, seconds: float) -> None:
         if self.round_s is not None:
-            self.row_s = self._average(self.row_s, max(0.0, seconds - self.round_s) /
-                                       max(rows, 1))
+            self._row_costs.append(max(0.0, seconds - self.round_s) / max(rows, 1))
+
+    @property
+    def row_s(self) -> float | None:
+        """Seconds per look-ahead row beyond a round's fixed cost."""
+        return statistics.median(self._row_costs) if self._row_costs else None
 
     def rows_left(self, now: float) -> int | None:
         """Rows a look-ahead round may still have before the next update (0: no round
@@ -251,7 +258,8 @@ class AheadClock:
         left = self.share * min(gaps) - (now - self._answered) - self.round_s
         if left < 0:
             return 0
-        return 10 ** 9 if not self.row_s else int(left / self.row_s)
+        row_s = self.row_s
+        return 10 ** 9 if not row_s else int(left / row_s)
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)
