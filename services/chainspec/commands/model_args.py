@@ -23,7 +23,8 @@ ENGINE_KEYS = ("model", "revision", "download_dir", "num_speculative_tokens", "c
                "kv_cache_fraction", "gpu_memory_utilization", "block_size", "draft_top_k",
                "enforce_eager", "enable_prefix_caching", "state_snapshots", "seed")
 TP_KEYS = (*ENGINE_KEYS, "verifier.tensor_parallel_size", "speculative_depth")  # generate, bench
-DRAFTER_KEYS = (*(k for k in ENGINE_KEYS if k != "max_num_seqs"), "drafter_max_num_seqs",
+DRAFTER_KEYS = (*(k for k in ENGINE_KEYS if k not in ("max_num_seqs", "state_snapshots")),
+                "drafter_max_num_seqs",
                 "grpc_host", "drafter.tensor_parallel_size")
 VERIFIER_KEYS = (*ENGINE_KEYS, "grpc_host", "max_waiting", "draft_deadline_s",
                  "pipeline_groups", "draft_ahead", "scheduling_policy", "drafter.mode",
