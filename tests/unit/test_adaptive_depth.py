@@ -276,11 +276,12 @@ class Served:
     """The verifier's side of the policy, one sequence at a time at batch `batch`:
     depths, the verdicts, then the step's measured seconds (a drafting step `draft_ms`
     at full depth, a plain one `plain_ms`; the first rounds after plain carry no
-    drafts)."""
+    drafts, and the first one costs `flush_ms` more: the held rows' round)."""
 
-    def __init__(self, batch: int, draft_ms: float, plain_ms: float, k: int = 4):
+    def __init__(self, batch: int, draft_ms: float, plain_ms: float, k: int = 4,
+                 flush_ms: float = 0.0):
         self.policy, self.batch, self.k = AdaptiveDepth(num_steps=k), batch, k
-        self.draft_ms, self.plain_ms = draft_ms, plain_ms
+        self.draft_ms, self.plain_ms, self.flush_ms = draft_ms, plain_ms, flush_ms
         self.t, self.asked = 0.0, (False, False)
         self.drafted: list[bool] = []
 
@@ -297,6 +298,7 @@ class Served:
             self.policy.observe_step(rows, rows * 0.1, 0.0, 0.0, asked, started_s=self.t,
                                      batch=len(keys), verified=in_hand)
             self.t += self.draft_ms if asked else self.plain_ms
+            self.t += self.flush_ms if asked and not self.asked[1] else 0.0
             self.asked = (self.asked[1], asked)
             chosen.append(max(depths))
         return chosen
@@ -324,3 +326,19 @@ def test_high_load_where_plain_is_faster_stays_plain_and_probes_rarely():
     chosen = served.run(keys, accepted=3, steps=3000)
     assert sum(d > 0 for d in chosen[1000:]) < 0.01 * 2000
     assert served.policy.backoff == MAX_BACKOFF
+
+
+def _spells(chosen: list[int]) -> int:
+    return sum(1 for a, b in itertools.pairwise(chosen) if not a and b)
+
+
+def test_a_costly_flush_makes_probes_from_plain_rare():
+    """As above, but each return to drafting first pays a 3 s round (64 sequences' held
+    rows): the next probe waits until plain ran 20 times that (5 %)."""
+    keys = list(range(64))
+    cheap = Served(batch=64, draft_ms=160.0, plain_ms=30.0)
+    costly = Served(batch=64, draft_ms=160.0, plain_ms=30.0, flush_ms=3000.0)
+    cheap_spells = _spells(cheap.run(keys, accepted=3, steps=3000)[300:])
+    costly_spells = _spells(costly.run(keys, accepted=3, steps=3000)[300:])
+    assert costly.policy.flush_s >= 3000.0
+    assert costly_spells <= 1 < cheap_spells  # 3000 steps are 90 s of plain: 60 s apart

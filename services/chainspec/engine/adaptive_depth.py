@@ -26,8 +26,10 @@ sequences' own rates (a hard prompt goes plain alone; the next one drafts again)
 spells keep both sides measured: after `PROBE_SOON` drafting steps (`PROBE_PLAIN_AFTER`
 once drafting measured a clear lead) `SPELL` steps draft nothing, after `EXPLORE_AFTER`
 plain steps `SPELL` + 1 steps draft at the caps; each probe that leaves the choice as it
-was doubles its period (to `MAX_BACKOFF` times), so a settled choice is rarely disturbed,
-and at high load plain decoding pays for a flush of held rows only now and then.
+was doubles its period (to `MAX_BACKOFF` times), so a settled choice is rarely disturbed.
+A return to drafting sends the drafter every row held meanwhile (at 64 sequences, a
+second of drafter work on a small host): its measured cost (`flush_s`) holds the next
+probe from plain back until plain ran 1 / `FLUSH_SHARE` times as long.
 
 `choose_depths` is the pure decision; `AdaptiveDepth` holds the estimates. Depth changes
 which drafts are verified, never how: the acceptance rule decides every token (3.3).
@@ -51,6 +53,7 @@ MIN_CLEAN = 4  # rounds without prompt rows before their median is trusted
 SWITCH_MARGIN = 0.05  # from plain, drafting must promise this much more tokens/s (the
 # switch sends the drafter every row held meanwhile: at 64 sequences, a second's round)
 EXPLORE_AFTER = 64  # plain steps in a row before one asks for drafts again
+FLUSH_SHARE = 0.05  # and not before the last switch's flush is this share of plain's time
 PROBE_PLAIN_AFTER = 256  # drafting steps in a row before a plain spell, once drafting
 CLEAR_LEAD = 1.25  # measured this lead at the batch's size;
 PROBE_SOON = 32  # until then
@@ -265,6 +268,9 @@ class AdaptiveDepth:
     backoff: int = 1  # probe periods' factor: doubles while probes confirm the choice
     lead: float = 0.0  # the last choice's measured tokens/s over plain's (0: unmeasured)
     _probing: bool | None = None  # whether the steps before the running spell drafted
+    flush_s: float = 0.0  # the last switch to drafting: its steps until drafts flowed
+    plain_s: float = 0.0  # seconds of plain steps since drafting last ran
+    _flush_started: float | None = None
     _last: tuple[bool, bool] = (False, False)  # the previous step asked, had prompt rows
     _asked_earlier: bool = False  # the step before the previous one asked for drafts
     _open: tuple | None = None  # the last step: start, busy s, overhead, asked, gate sample
@@ -329,7 +335,8 @@ class AdaptiveDepth:
         """Start a probe spell when one is due: the other mode, measured again."""
         if self.spell[0]:
             return
-        if self.plain_steps >= EXPLORE_AFTER * self.backoff:  # NOTE: load may fall
+        if self.plain_steps >= EXPLORE_AFTER * self.backoff and \
+                self.plain_s * FLUSH_SHARE >= self.flush_s:  # NOTE: load may fall
             self.plain_steps, self.spell, self._probing = 0, (SPELL + 1, True), False
             return
         if not self.drafting_steps:
@@ -374,6 +381,7 @@ class AdaptiveDepth:
             if self._open is not None:  # NOTE: idle waits count too; the median sees past
                 start, busy, overhead, was_asked, sample, verified_then = self._open
                 self._overheads(was_asked).append(overhead + max(0.0, started_s - start - busy))
+                self.plain_s = 0.0 if was_asked else self.plain_s + started_s - start
                 if sample is not None:
                     self.gate.add(*sample, started_s - start, verified_then)
             # NOTE: a drafting step asks for drafts and waits for the ones two drafting
@@ -383,6 +391,10 @@ class AdaptiveDepth:
             kind = True if asked and asked_before and self._asked_earlier else \
                 False if not (asked or asked_before or verified) else None
             sample = None if kind is None or idle_after else (batch, kind, rows)
+            if asked and not asked_before:  # a switch: the held rows go now
+                self._flush_started = started_s
+            elif kind and self._flush_started is not None:
+                self.flush_s, self._flush_started = started_s - self._flush_started, None
             self._open = (started_s, forward_s + overhead_s + draft_s, max(0.0, overhead_s),
                           asked, sample, verified)
         if asked or asked_before:
