@@ -254,6 +254,8 @@ def main_http(args, argv) -> int:
                         f"{served}, K=3, CPU), streamed /v1/completions")
     if args.serve:
         report["counters"] = moved
+        for side in ("off", "on"):  # over every repeat, from the verifiers' counter
+            report[side]["resyncs"] = int(moved[side]["chainspec_draft_resyncs"])
         report["model"] = (str(args.model) if args.model else
                            f"the demo checkpoint, max_position_embeddings "
                            f"{args.positions} (trained on 512)")
