@@ -342,3 +342,24 @@ def test_a_costly_flush_makes_probes_from_plain_rare():
     costly_spells = _spells(costly.run(keys, accepted=3, steps=3000)[300:])
     assert costly.policy.flush_s >= 3000.0
     assert costly_spells <= 1 < cheap_spells  # 3000 steps are 90 s of plain: 60 s apart
+
+
+def _measure(policy: AdaptiveDepth, lead: float) -> None:
+    """Fill the gate at batch 1 so that drafting 3 deep at rates ~1 (4 tokens) leads
+    plain by `lead`: plain 2 ms a token (1 + 1 row), drafting 4 x 2 / lead ms."""
+    for _ in range(32):
+        policy.gate.add(1, True, 4, 8.0 / lead, verified=True)
+        policy.gate.add(1, False, 1, 2.0)
+
+
+def test_measured_choice_has_hysteresis_both_ways():
+    policy = _learned(batch=1, accepted=3)
+    _measure(policy, 0.95)  # a little behind plain: drafting goes on
+    assert policy.depths([0], [3]) == [3]
+    _measure(policy, 0.5)  # far behind: plain
+    assert policy.depths([0], [3]) == [0]
+    _measure(policy, 1.03)  # a little ahead of plain: plain goes on
+    assert policy.depths([0], [3]) == [0]
+    _measure(policy, 1.2)
+    assert policy.depths([0], [3]) == [3]
+    assert policy.lead == pytest.approx(1.2, rel=0.01)  # rates ~1, not quite

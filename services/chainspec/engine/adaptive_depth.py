@@ -13,7 +13,8 @@ Two estimates feed the choice, both measured online, neither tuned by the user:
 Three guards keep the estimates honest under load: the draft round's cost is a rolling
 median of rounds with no prompt rows in them (a prompt's rows are the drafter's to take
 whatever the depth, and would price drafting out); switching drafting back on must beat
-plain by `SWITCH_MARGIN` (no flapping on noise); and after `EXPLORE_AFTER` plain steps
+plain by `SWITCH_MARGIN`, and once measured, drafting stops only `HOLD_MARGIN` behind it
+(no flapping on noise: each switch costs); and after `EXPLORE_AFTER` plain steps
 one step asks for drafts again, so a load that fell is noticed. The step's other work is
 measured apart for steps that asked for drafts and steps that did not: the drafter
 client's threads (decoding drafts, encoding rows) take the GIL from the step, a cost of
@@ -52,6 +53,8 @@ COST_WINDOW = 32  # steps in the rolling medians of the draft round and the over
 MIN_CLEAN = 4  # rounds without prompt rows before their median is trusted
 SWITCH_MARGIN = 0.05  # from plain, drafting must promise this much more tokens/s (the
 # switch sends the drafter every row held meanwhile: at 64 sequences, a second's round)
+HOLD_MARGIN = 0.1  # once measured, drafting stops only this much behind plain (a switch
+# back costs a flush, and a sequence's estimate dips on a few rejected rounds)
 EXPLORE_AFTER = 64  # plain steps in a row before one asks for drafts again
 FLUSH_SHARE = 0.05  # and not before the last switch's flush is this share of plain's time
 PROBE_PLAIN_AFTER = 256  # drafting steps in a row before a plain spell, once drafting
@@ -192,7 +195,8 @@ class Measured:
     hit: float
 
     def step_cost(self, per_row_s: float) -> StepCost:
-        return StepCost(self.plain_s, per_row_s, max(0.0, self.hit_s - self.plain_s))
+        """A drafting step's cost (the round that runs costs its rows only)."""
+        return StepCost(self.hit_s, per_row_s)
 
     def lead(self, rates: Sequence[Sequence[float]], depths: Sequence[int],
              per_row_s: float, other_rows: int = 0) -> float:
@@ -314,14 +318,16 @@ class AdaptiveDepth:
         if left:
             self.spell = (left - 1, draft)
             return list(caps) if draft else [0] * n
-        margin = SWITCH_MARGIN if self.plain_steps or self._probing is False else 0.0
+        plain = self.plain_steps or self._probing is False
         if measured is None:  # NOTE: plain stays plain: a switch flushes every held row
             out = [0] * n if self.plain_steps else choose_depths(rates, caps, cost, other_rows)
             self.lead = 0.0
-        else:  # the model spreads the depth; drafting at all is the measurement's call
+        else:  # the model spreads the depth (a round that runs costs the rows only);
+            # drafting at all is the measurement's call, with hysteresis both ways
             out = choose_depths(rates, caps, measured.step_cost(cost.per_row_s), other_rows)
             self.lead = measured.lead(rates, out, cost.per_row_s, other_rows)
-            out = out if self.lead > 1 + margin else [0] * n
+            bar = 1 + SWITCH_MARGIN if plain else 1 - HOLD_MARGIN
+            out = out if self.lead > bar else [0] * n
         drafting = any(out)
         if self._probing is not None:  # a spell just ended: did it change the choice?
             same = measured is not None and self._probing == drafting
