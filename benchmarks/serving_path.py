@@ -13,6 +13,13 @@ load generator is this process, pinned to the last core (`os.sched_setaffinity`)
 stack is left to the scheduler. Every request is a streamed `/v1/completions` of
 --max-tokens tokens (greedy, ignore_eos) on the model's held-out prompts.
 
+Every served point runs twice: at concurrency 8, and "full" at 8 + --queued (max_num_seqs
+is 8, so a request always waits for a freed slot and 8 sequences run every step, as in the
+bare engine's batches; at c=8 each request's turnaround costs its slot a few steps, and
+equal-length requests finish in lockstep). Each point reports the verifier's mean batch
+(sequences per step, from its /metrics) over the whole point and over its steady state
+(until `concurrency` requests are left to send), and its figures over that steady state.
+
 Per served point: output tokens/s, TPOT p50, and CPU seconds per output token of the
 verifier actor, the drafter actor, the gateway (the `chainspec serve` process) and the load
 generator, from /proc CPU-time deltas (psutil) over the point. The box is shared: CPU
@@ -29,8 +36,8 @@ report lists per thread the share of samples in each stage of the path (grouped 
 file: engine step, stream messages, detokenizer, metrics, gRPC, gateway JSON/SSE, ...).
 py-spy is not a dependency (`pip install py-spy`).
 
-Usage: python benchmarks/serving_path.py [--repeats 2] [--requests 32] [--profile 8]
-       [--local-stack] [--label before] | --micro-only
+Usage: python benchmarks/serving_path.py [--repeats 2] [--requests 96] [--profile 8]
+       [--queued 8] [--local-stack] [--label before] | --micro-only
 Writes benchmarks/results/serving_path[_LABEL].{json,md}.
 """
 
@@ -38,7 +45,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import collections
+import itertools
 import json
 import os
 import re
@@ -48,12 +57,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
 
 from chainspec.benchserve import stack
 from chainspec.benchserve.client import send
@@ -65,6 +75,7 @@ NAMESPACE = "serving-path"
 ROLES = {"ray::VerifierActor": "verifier", "ray::DrafterActor": "drafter"}
 ORDER = ("verifier", "drafter", "gateway", "load generator")
 TARGET = 0.8  # served / engine tokens/s at c=8 (issue 23)
+ENGINE_PROMPTS = 32  # the bare engine's: 4 batches of 8
 # py-spy frames -> a stage of the path (first match, innermost frame first)
 STAGES = (("engine step", ("engine/verifier.py", "engine/scheduler", "models/", "torch/",
                            "engine/sampling", "engine/acceptance", "engine/kv", "kernels/",
@@ -190,7 +201,7 @@ def engine_bench(args) -> dict:
         models = load_models(local, speculative=True)
         _ENGINES.update({spec: build_verifier(models, local, spec, tok.eos_token_ids)
                          for spec in (True, False)})
-        _ENGINES["prompts"] = [tok.encode(p) for p in load_prompts(DEMO_MODEL, args.requests)]
+        _ENGINES["prompts"] = [tok.encode(p) for p in load_prompts(DEMO_MODEL, ENGINE_PROMPTS)]
         for spec in (True, False):  # warm-up, as chainspec bench does
             _run_batches(_ENGINES[spec], _ENGINES["prompts"][:8], args.max_tokens)
     out = {}
@@ -238,10 +249,10 @@ def _run_batches(engine, prompts: list, max_tokens: int) -> tuple[float, float, 
 async def load(url: str, model: str, args, concurrency: int = 8,
                on_steady_end: Callable[[], None] | None = None) -> dict:
     """`args.requests` requests, `concurrency` at a time; tokens/s and TPOT p50.
-    `on_steady_end()` runs (on a thread) when `concurrency` requests are left to send:
+    `on_steady_end()` runs when `concurrency` requests are left to send:
     up to the last send every finished request is replaced at once (the closed loop's
-    steady state; after it the tail drains with fewer running), and the margin keeps a
-    slow snapshot (the verifier renders its metrics between steps) inside it."""
+    steady state; after it the tail drains with fewer running), and the margin keeps
+    its slow scrape inside it. `results`: the requests' timings."""
     data = heldout(DEMO_MODEL, args.max_tokens).requests
     queue = collections.deque(data[i % len(data)] for i in range(args.requests))
     results = []
@@ -251,7 +262,7 @@ async def load(url: str, model: str, args, concurrency: int = 8,
             while queue:
                 req = queue.popleft()
                 if len(queue) == concurrency and on_steady_end is not None:
-                    await asyncio.to_thread(on_steady_end)
+                    on_steady_end()  # NOTE: a few ms, on the loop: no GIL ping-pong
                 results.append(await send(client, req, model))
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -262,7 +273,7 @@ async def load(url: str, model: str, args, concurrency: int = 8,
     tokens = sum(r.output_tokens for r in results)
     tpots = [r.tpot_s for r in results if r.tpot_s is not None]
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "t0": t0,
-            "tpot_p50_ms": 1e3 * statistics.median(tpots)}
+            "tpot_p50_ms": 1e3 * statistics.median(tpots), "results": results}
 
 
 def verifier_metrics_urls(url: str) -> list[str]:
@@ -272,71 +283,87 @@ def verifier_metrics_urls(url: str) -> list[str]:
             for g in groups if g["labels"].get("role") == "verifier" for t in g["targets"]]
 
 
+STEP_COUNTERS = {"chainspec_verify_step_seconds_count": "steps",
+                 "chainspec_verify_step_seconds_sum": "step_s",
+                 "chainspec_draft_wait_seconds_sum": "step_s",
+                 "chainspec_spec_decode_depth_total": "rounds",
+                 "chainspec_generation_tokens_total": "tokens",
+                 "chainspec_request_queue_time_seconds_count": "scheduled"}
+
+
 def step_counters(urls: list[str]) -> dict[str, float]:
     """The verifiers' step counters: steps with work, their seconds (verify plus the draft
     wait), the sequences they ran (verify rounds of every depth, and requests scheduled:
-    one final prefill item each, as the prompts fit one chunk), the tokens streamed."""
-    names = {"chainspec_verify_step_seconds_count": "steps",
-             "chainspec_verify_step_seconds_sum": "step_s",
-             "chainspec_draft_wait_seconds_sum": "step_s",
-             "chainspec_spec_decode_depth_total": "rounds",
-             "chainspec_generation_tokens_total": "tokens",
-             "chainspec_request_queue_time_seconds_count": "scheduled"}
-    out = dict.fromkeys(names.values(), 0.0)
+    one final prefill item each, as the prompts fit one chunk), the tokens streamed.
+    NOTE: only these samples are asked for (`name[]`) and read with a line scan: a full
+    exposition parsed in Python took this process's GIL for seconds under load, which
+    stalled the load generator's streams."""
+    query = urllib.parse.urlencode([("name[]", n) for n in STEP_COUNTERS])
+    out = dict.fromkeys(STEP_COUNTERS.values(), 0.0)
     for u in urls:
-        for family in text_string_to_metric_families(httpx.get(u).text):
-            for s in family.samples:
-                if s.name in names:
-                    out[names[s.name]] += s.value
+        with urllib.request.urlopen(f"{u}?{query}", timeout=30) as response:
+            text = response.read().decode()
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in STEP_COUNTERS:
+                out[STEP_COUNTERS[name]] += float(line.rsplit(" ", 1)[1])
     return out
 
 
 def snapshot(urls: list[str], procs: dict) -> dict:
-    """Counters and CPU times at one moment: `t` and `cpu` are the midpoints of the scrape
-    (which the verifier renders between its own steps), `scrape_s` its length."""
-    t0, cpu0 = time.perf_counter(), cpu_s(procs)
+    """CPU times now, then the verifiers' counters (a scrape that the verifier renders
+    between its own steps: 0.1-0.9 s under load here, so its counters serve as ratios)."""
+    t, cpu = time.perf_counter(), cpu_s(procs)
     steps = step_counters(urls)
-    t1, cpu1 = time.perf_counter(), cpu_s(procs)
-    return {"t": (t0 + t1) / 2, "scrape_s": t1 - t0, "steps": steps,
-            "cpu": {role: (cpu0[role] + cpu1[role]) / 2 for role in cpu0}}
+    return {"t": t, "cpu": cpu, "steps": steps, "scrape_s": time.perf_counter() - t}
 
 
-def window(before: dict, after: dict, wall_s: float) -> dict:
-    """Figures between two snapshots: tokens/s, mean sequences per verifier step, the
-    share of the wall time the verifier spent in steps (the rest: idle, waiting for
-    requests), CPU ms per token by process."""
+def tokens_by(results: list, t: float) -> float:
+    """Output tokens the client had received by `t` (each request's tokens spread over
+    its text chunks: a chunk carries one token plain, a round's speculative)."""
+    total = 0.0
+    for r in results:
+        if r.ttft_s is None:
+            continue
+        times = list(itertools.accumulate([r.start_s + r.ttft_s, *r.itl_s]))
+        total += r.output_tokens * bisect.bisect_right(times, t) / len(times)
+    return total
+
+
+def occupancy(before: dict, after: dict) -> dict:
+    """Mean sequences per verifier step between two snapshots (verify rounds of every
+    depth plus requests scheduled, one final prefill item each: the prompts fit one
+    chunk), and the steps' seconds (verify plus the draft wait)."""
     d = {k: after["steps"][k] - before["steps"][k] for k in before["steps"]}
-    tokens = max(d["tokens"], 1)
-    return {"tokens": int(d["tokens"]), "wall_s": wall_s, "tok_s": d["tokens"] / wall_s,
-            "verifier_steps": int(d["steps"]),
-            "mean_batch": (d["rounds"] + d["scheduled"]) / max(d["steps"], 1),
-            "busy_share": d["step_s"] / wall_s,
-            "cpu_ms_per_token": {role: 1e3 * (after["cpu"][role] - before["cpu"][role]) /
-                                 tokens for role in after["cpu"]}}
+    return {"verifier_steps": int(d["steps"]), "step_s": d["step_s"],
+            "mean_batch": (d["rounds"] + d["scheduled"]) / max(d["steps"], 1)}
 
 
 def served_point(url: str, model: str, args, procs, concurrency: int = 8) -> dict:
     """One load point; CPU ms per output token by process, and by thread in the verifier
     and the gateway (where the GIL is shared); the verifier's occupancy, over the whole
     point and over its steady state (`steady`: up to `concurrency` requests before the
-    last send)."""
+    last send: tokens the client had by then, CPU by then, the mean batch by then)."""
     names = {role: thread_names(procs[role].pid) for role in ("verifier", "gateway")}
     threads = {role: thread_cpu(procs[role], names[role]) for role in names}
     urls = verifier_metrics_urls(url)
-    snap = lambda: snapshot(urls, procs)  # noqa: E731
-    start, drained = snap(), {}
+    start, mark = snapshot(urls, procs), {}
     r = asyncio.run(load(url, model, args, concurrency,
-                         on_steady_end=lambda: drained.update(snap())))
-    end = snap()
-    whole = window(start, end, end["t"] - start["t"])
-    r["steady"] = window(start, drained, drained["t"] - r["t0"])
-    r["steady"]["scrape_s"] = drained["scrape_s"]
-    r.update({k: whole[k] for k in ("verifier_steps", "mean_batch", "busy_share")})
+                         on_steady_end=lambda: mark.update(snapshot(urls, procs))))
+    end, results = snapshot(urls, procs), r.pop("results")
+    r.update(occupancy(start, end))
+    r["busy_share"] = r.pop("step_s") / r["wall_s"]
+    tokens = tokens_by(results, mark["t"])
+    wall = mark["t"] - r["t0"]
+    r["steady"] = {"tokens": round(tokens), "wall_s": wall, "tok_s": tokens / wall,
+                   "mean_batch": occupancy(start, mark)["mean_batch"],
+                   "scrape_s": mark["scrape_s"],
+                   "cpu_ms_per_token": {role: 1e3 * (mark["cpu"][role] - start["cpu"][role])
+                                        / tokens if role in procs else 0.0
+                                        for role in ORDER}}
     r["cpu_ms_per_token"] = {role: 1e3 * (end["cpu"][role] - start["cpu"][role]) /
                              r["tokens"] if role in procs else 0.0
                              for role in ORDER}  # 0: none runs
-    r["steady"]["cpu_ms_per_token"] = {role: r["steady"]["cpu_ms_per_token"].get(role, 0.0)
-                                       for role in ORDER}
     r["thread_cpu_ms_per_token"] = {}
     for role, begin in threads.items():
         delta = thread_cpu(procs[role], names[role])
@@ -452,7 +479,7 @@ def micro(n: int = 2000) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--requests", type=int, default=32, help="requests per point")
+    p.add_argument("--requests", type=int, default=96, help="requests per point")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine bench")
     p.add_argument("--queued", type=int, default=8, help="the full points' requests "
@@ -571,7 +598,7 @@ def mode_summary(runs: list[dict], engine_mode: str, point: str, roles: list[str
             "steady_tok_s": med(lambda r: steady(r)["tok_s"]),
             "mean_batch": med(lambda r: r[point]["mean_batch"]),
             "steady_mean_batch": med(lambda r: steady(r)["mean_batch"]),
-            "steady_busy_share": med(lambda r: steady(r)["busy_share"]),
+            "busy_share": med(lambda r: r[point]["busy_share"]),
             "ratio": statistics.median(ratios), "ratios": ratios,
             "steady_ratio": statistics.median(steady_ratios), "steady_ratios": steady_ratios,
             "cpu_ratio": statistics.median(cpu_ratios), "cpu_ratios": cpu_ratios,
@@ -602,7 +629,7 @@ def markdown(r: dict) -> str:
              "the engine's batches (the c=8 points lose occupancy to each request's "
              "turnaround: finish, client, gateway, admission, prefill).", "",
              "| mode | engine tok/s (b=8) | engine mean batch | serve tok/s (c=8, whole) | "
-             "serve mean batch (whole, steady) | verifier busy (steady) | "
+             "serve mean batch (whole, steady) | verifier busy (whole) | "
              "serve/engine, whole (per run) | steady (per run) | target | "
              "CPU ratio (per run) | serve TPOT p50 (ms) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -613,7 +640,7 @@ def markdown(r: dict) -> str:
         per = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
         lines.append(f"| {mode} | {m['engine_tok_s']:.0f} | {m['engine_mean_batch']:.2f} | "
                      f"{m['serve_tok_s']:.0f} | {m['mean_batch']:.2f}, "
-                     f"{m['steady_mean_batch']:.2f} | {m['steady_busy_share']:.0%} | "
+                     f"{m['steady_mean_batch']:.2f} | {m['busy_share']:.0%} | "
                      f"{m['ratio']:.2f}x ({per(m['ratios'])}) | "
                      f"{m['steady_ratio']:.2f}x ({per(m['steady_ratios'])}) | >= {TARGET} "
                      f"({'met' if m['steady_ratio'] >= TARGET else 'not met'}) | "
