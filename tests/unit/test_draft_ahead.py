@@ -178,19 +178,23 @@ def test_one_round_look_ahead_drafts_the_bonus_guess_in_its_bonus_pass(chain) ->
     assert len(entries) == 1 + k * engine.config.ahead_fanout
 
 
-def test_budget_bounds_rows_and_keeps_the_likeliest() -> None:
+def test_budget_bounds_rows_and_keeps_the_likeliest(monkeypatch) -> None:
     k, hist = 3, 2  # history rows of each window (the prefix is long enough)
     _, _, _, _, every, _ = _round_then_plan(k, True, (), ahead_fanout=3, ahead_rows=10_000,
                                             ahead_second_round=True)
     budget = (hist + k) + 2 * (hist + 2)  # the bonus pass and two short corrections
+    rounds, run = [], DrafterEngine._run_scratch
+
+    def counted(self, windows, seq_ids, exact=()):
+        rounds.append(sum(w.num_rows for w in windows))
+        return run(self, windows, seq_ids, exact)
+    monkeypatch.setattr(DrafterEngine, "_run_scratch", counted)
     _, _, _, _, few, _ = _round_then_plan(k, True, (), ahead_fanout=3, ahead_rows=budget,
                                           ahead_second_round=True)
 
     def rows(hs):
         return sum(hist + len(h.outcome) for h in hs)
-    fixes = [h for h in few if h.accepted < k]
-    assert (hist + k) + rows(fixes) <= budget and rows([h for h in few if h not in fixes]) \
-        <= budget < rows(every)
+    assert len(rounds) == 2 and all(r <= budget for r in rounds) and budget < rows(every)
     assert {h.outcome for h in few} < {h.outcome for h in every}
     assert few[0].outcome == every[0].outcome, "the likeliest verdict always fits"
     assert [h.rank for h in few] == list(range(len(few)))
@@ -291,7 +295,12 @@ def test_a_look_ahead_short_of_time_drafts_less_or_nothing() -> None:
     engine.ahead_clock.rows_left = lambda now: (k - 1) + k  # the bonus pass's rows
     engine.update([_ahead(SeqUpdate(1, upd.start, upd.tokens, upd.hidden))])
     entries = engine.look_ahead()
-    assert [(e.seq_id, e.drafts.tokens.shape[0]) for e in entries] == [(1, k - 1)]
+    plan = engine.ahead_plan
+    # a = m: the bonus pass's own K-1 drafts (a full-K window has K-1 + K + 1 rows); a
+    # second round only for corrections short enough
+    assert [(e.seq_id, e.drafts.tokens.shape[0]) for e, h in zip(entries, plan, strict=True)
+            if h.accepted == k] == [(1, k - 1)]
+    assert all((k - 1) + len(h.outcome) <= (k - 1) + k for h in plan if h.accepted < k)
     engine.ahead_clock.rows_left = lambda now: 10_000
     upd = seq.extend(rng, 2)
     engine.update([_ahead(SeqUpdate(1, upd.start, upd.tokens, upd.hidden))])
@@ -386,3 +395,39 @@ def test_a_hit_beside_a_miss_answers_first_and_looks_ahead_from_its_entry() -> N
     assert set(pending) == {0, 1} and torch.equal(pending[0].chain, chain)
     assert pending[0].verify.tolist() == list(key[2])
     assert {e.seq_id for e in engine.look_ahead(list(pending.values()))} == {0, 1}
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_a_bonus_pass_entry_hit_looks_ahead_in_its_exact_round(chain) -> None:
+    """A bonus pass's entry (its bonus guess, then K-1 drafts) keeps its chain states like
+    a full-K entry: on its hit the look-ahead's first round rides in the exact round,
+    its stand-ins g[2..K] at the bonus pass's last row, its corrections from steps
+    2..K there (the drafter's distributions for x[N'+1..])."""
+    k, rng = 3, random.Random(4)
+    engine = _engine(k, 2, chain, ahead_rows=10_000, ahead_second_round=False)
+    seq = Committed(rng, 9)
+    engine.update([_ahead(prefill(0, seq))])
+    hit = next(e for e in engine.look_ahead() if e.drafts.tokens.shape == (k - 1,))
+    key = (0, hit.drafts.position, tuple(hit.drafts.tokens.tolist()))
+    src = engine._chained[key]
+    assert src.step0 == 1 and src.chain.shape[0] == k - 1
+    rows = torch.randn(len(hit.outcome), seq.hidden.shape[1])
+    start = len(seq.tokens) - 1
+    seq.tokens += list(hit.outcome)
+    seq.hidden = torch.cat([seq.hidden, rows])
+    batches, run = [], engine._run
+    engine._run = lambda windows: batches.append(len(windows)) or run(windows)
+    engine.update([_ahead(SeqUpdate(0, start, hit.outcome, rows), key[2])])
+    assert len(batches) == 1 and batches[0] > 1, "one round: exact and look-ahead windows"
+    early = engine.look_ahead_early(engine.pending_early())
+    bonus, _, _ = reference_round(engine.model, seq.tokens + list(key[2]),
+                                  torch.cat([seq.hidden, src.chain]), k, chain)
+    plan = engine.ahead_plan
+    assert any(h.accepted == k - 1 and e.outcome[-1] == bonus[0]
+               for e, h in zip(early, plan, strict=True))
+    for a in range(k - 1):  # corrections at a: the top alternatives of step a + 2
+        q = engine.model.logits(a + 2, src.chain[a:a + 1])[0].float().softmax(-1)
+        q[key[2][a]] = 0.0
+        want = set(q.topk(engine.config.ahead_fanout).indices.tolist())
+        got = {h.outcome[-1] for h in plan if h.accepted == a}
+        assert got <= want and got

@@ -86,8 +86,9 @@ class DraftAheadRounds:
 
     def _second_round(self, plan: list[Hypothesis], entries: list[DraftAhead],
                       finals: list[Hypothesis]) -> list[DraftAhead]:
-        """Round 2 over the a = m hypotheses `finals`, as far as they fit; every entry,
-        grouped by sequence, likeliest first (`ahead_plan` beside them)."""
+        """Round 2 over `finals` (a = m, and corrections round 1 left), as far as they
+        fit; every entry, grouped by sequence, likeliest first (`ahead_plan` beside
+        them)."""
         c = self.config
         if c.ahead_second_round is None and self.ahead_clock is not None:  # as fit
             left = self.ahead_clock.rows_left(time.perf_counter())
@@ -105,16 +106,13 @@ class DraftAheadRounds:
     def _first_windows(self, todo: list[AheadSource], timed: bool) -> _FirstRound | None:
         """Round 1's windows: each source's bonus pass, then the corrections that fit;
         None when `timed` and not even the bonus passes fit in the verifier's step."""
-        K, c = self.config.num_steps, self.config
+        c = self.config
         seqs = {src.seq_id for src in todo}
         self._chained = {key: s for key, s in self._chained.items() if key[0] not in seqs}
-        chains = torch.stack([src.chain for src in todo])  # [S, K, H]: g[k] at row N'-1
-        step_logits = torch.stack([self.model.logits(k + 1, chains[:, k])
-                                   for k in range(K)], 1)  # [S, K, V]
         lengths = {src.seq_id: self.accept_rates.lengths(src.verify.shape[0])
                    for src in todo}
-        fixes = [h for row, src in enumerate(todo)
-                 for h in corrections(src, step_logits[row], c.ahead_fanout,
+        fixes = [h for src in todo
+                 for h in corrections(src, self._step_logits(src), c.ahead_fanout,
                                       lengths[src.seq_id])]
         windows = []
         for src in todo:
@@ -131,14 +129,23 @@ class DraftAheadRounds:
             if left is not None and left < spent:
                 return None  # NOTE: too late for this verdict: keep the drafter free
             budget = budget if left is None else min(budget, left)
-        fixes = select(fixes, budget, hist, covered, spent)
-        windows += [self._hypothesis_window(h) for h in fixes]
+        chosen = select(fixes, budget, hist, covered, spent)
+        picked = {(h.src.seq_id, h.outcome) for h in chosen}
+        rest = [h for h in fixes if (h.src.seq_id, h.outcome) not in picked]
+        windows += [self._hypothesis_window(h) for h in chosen]
         return _FirstRound(todo, windows, [src.seq_id for src in todo] +
-                           [h.src.seq_id for h in fixes], fixes, lengths, hist)
+                           [h.src.seq_id for h in chosen], chosen, lengths, hist, rest)
+
+    def _step_logits(self, src: AheadSource) -> torch.Tensor:
+        """[m, V]: the drafter's distributions for x[N'+1..N'+m] (its steps at N'-1)."""
+        m = src.verify.shape[0]
+        return torch.cat([self.model.logits(k + 1 + src.step0, src.chain[k:k + 1])
+                          for k in range(m)])
 
     def _first_entries(self, first: _FirstRound, out: DraftOutput, offset: int):
-        """Round 1's (hypotheses, entries, the a = m hypotheses for round 2), from its
-        windows' rows of `out` (from row `offset` on)."""
+        """Round 1's (hypotheses, entries, the hypotheses for round 2: a = m, and the
+        corrections round 1 left), from its windows' rows of `out` (from row `offset`
+        on)."""
         c, todo, lengths = self.config, first.todo, first.lengths
         self._hist_rows = first.hist
         S = len(todo)
@@ -146,6 +153,10 @@ class DraftAheadRounds:
         plan, entries, finals = [], [], []
         for row, src in enumerate(todo):
             entry = bonus_entry(src, out, offset + row, src.temperature > 0)
+            d = entry.drafts  # NOTE: kept like a full-K entry's, for its hit's look-ahead
+            self._chained[(d.seq_id, d.position, tuple(d.tokens.tolist()))] = AheadSource(
+                d.seq_id, d.position, d.tokens, out.chain[offset + row, 1:].clone(),
+                src.temperature, src.seed, step0=1)
             p_b = float(bonus[row].float().softmax(-1)[entry.outcome[-1]])
             plan.append(Hypothesis(src, entry.outcome, src.chain[:src.verify.shape[0]],
                                    lengths[src.seq_id][-1] * p_b))
@@ -155,7 +166,7 @@ class DraftAheadRounds:
         plan += first.fixes
         entries += [self._chain_entry(h, out, offset + S + i)
                     for i, h in enumerate(first.fixes)]
-        return plan, entries, select(finals, c.ahead_rows, first.hist,
+        return plan, entries, select(finals + first.rest, c.ahead_rows, first.hist,
                                      {s: 0.0 for s in first.hist})
 
     def _hypothesis_window(self, h: Hypothesis) -> Window:
@@ -298,7 +309,8 @@ class DraftAheadRounds:
 class _FirstRound:
     """A first look-ahead round: its sources, windows (bonus passes, then corrections)
     and their sequences, the corrections, P(a) per sequence, history rows per sequence,
-    and once it ran, its (hypotheses, entries, a = m hypotheses)."""
+    the corrections left for round 2, and once it ran, its (hypotheses, entries, the
+    hypotheses for round 2)."""
 
     todo: list[AheadSource]
     windows: list[Window]
@@ -306,6 +318,7 @@ class _FirstRound:
     fixes: list[Hypothesis]
     lengths: dict[int, list[float]]
     hist: dict[int, int]
+    rest: list[Hypothesis]
     done: tuple | None = None
 
 

@@ -55,9 +55,12 @@ class AheadSource:
     seq_id: int
     base: int  # N': the bonus index of the round being verified
     verify: torch.Tensor  # [m] int64: the drafts that round verifies
-    chain: torch.Tensor  # [K, H]: g[1..K] at row N'-1
+    chain: torch.Tensor  # [>= m, H]: g[1..] at row N'-1 (stand-ins for h[N'..])
     temperature: float
     seed: int
+    # chain[k] is the output of draft step k + 1 + step0: 0, or 1 for a bonus pass's
+    # entry, whose states are those of the row before N'-1, one step further
+    step0: int = 0
 
 
 class AcceptRates:
