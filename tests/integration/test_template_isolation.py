@@ -121,7 +121,9 @@ def test_hostile_templates_leave_health_and_a_stream_lively(gateways) -> None:
         assert TIMEOUT_S <= took < TIMEOUT_S + 1.0
     for (r, took), says in quick:
         assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
-        assert took < TIMEOUT_S  # by a limit, not the clock (a worker may be starting)
+        # NOTE: refused by a limit, not the clock: told by the message, not by wall time
+        # (a loaded box once took 1.4 s to answer one of these)
+        assert "did not finish" not in r.json()["error"]["message"], took
     assert streams.codes == {200} and streams.completed == streams.rounds
     during = [t for t in streams.times if any(a <= t <= b for a, b in windows)]
     assert len(during) > 0.5 * len(streams.times) > 150  # most came while runaways ran
