@@ -8,7 +8,8 @@ group and multi-hypothesis draft-ahead (DESIGN 4.8).
         [--out benchmarks/results/pipeline_timeline.png]
 
 `--pin`: this process (the verifier) on core 0, the drafter process on core 1
-(`os.sched_setaffinity` on every thread), as `services_bench.py --pin` places them.
+(`os.sched_setaffinity` on every thread) at nice `--pin-nice` (-10), as
+`services_bench.py --pin` places them.
 
 The verifier engine runs here, the drafter in its own process (`round_breakdown`'s traced
 drafter server); both stamp CLOCK_MONOTONIC (`time.monotonic_ns`, which `perf_counter`
@@ -60,11 +61,13 @@ class StepLog:
                 step.started_s, step.drafts_s, step.finished_s))))
 
 
-def pin(pid: int, cores: set[int]) -> None:
-    """Every thread of process `pid` on `cores`."""
+def pin(pid: int, cores: set[int], nice: int = 0) -> None:
+    """Every thread of process `pid` on `cores`, at priority `nice` (services_bench)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             os.sched_setaffinity(int(tid), cores)
+            if nice:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
         except OSError:  # NOTE: a thread that ended meanwhile
             pass
 
@@ -180,9 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-k", type=int, default=3)
     p.add_argument("--out", default="benchmarks/results/pipeline_timeline.png")
     p.add_argument("--pin", action="store_true", help="verifier on core 0, drafter on 1")
+    p.add_argument("--pin-nice", type=int, default=-10,
+                   help="with --pin: both processes' priority (0: unchanged)")
     args = p.parse_args(argv)
     if args.pin:
-        pin(os.getpid(), {0})
+        pin(os.getpid(), {0}, args.pin_nice)
     torch.set_num_threads(1)
     tok = Tokenizer.from_dir(DEMO_MODEL)
     prompts = [tok.encode(t) for t in (PROMPTS * args.batch)[:args.batch]]
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     proc.start()
     port = conn.recv()
     if args.pin:
-        pin(proc.pid, {1})
+        pin(proc.pid, {1}, args.pin_nice)
     try:
         runs = [run(models, opts, prompts, args.max_tokens, g, port, conn, ahead)
                 for g, ahead in ((1, False), (2, False), (1, True))]
