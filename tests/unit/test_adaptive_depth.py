@@ -119,12 +119,13 @@ def test_policy_learns_cost_and_rates_then_drafts_again_when_it_pays():
     assert policy.depths(list(range(16)), [3] * 16) == [1] * 16
     policy = _learned(batch=16, accepted=0)
     assert policy.depths(list(range(16)), [3] * 16) == [0] * 16
-    # load falls to one sequence, nothing measured there: plain stays plain (a switch
-    # flushes every held row) until a probe spell drafts, at the caps
+    # load falls to one sequence, drafting not measured there: plain stays plain (a
+    # switch flushes every held row) until a probe spell drafts soon, at the caps
     for _ in range(10):
         policy.observe_round("good", 3, 3)
-    chosen = [policy.depths(["good"], [3])[0] for _ in range(EXPLORE_AFTER + 1)]
-    assert chosen[:EXPLORE_AFTER - 1] == [0] * (EXPLORE_AFTER - 1) and chosen[-1] == 3
+    chosen = [policy.depths(["good"], [3])[0] for _ in range(SPELL + GATE_MIN + 1)]
+    assert chosen[:SPELL + GATE_MIN - 1] == [0] * (SPELL + GATE_MIN - 1)
+    assert chosen[-1] == 3
 
 
 def test_unmeasured_policy_verifies_full_depth_and_forgets_finished_sequences():
@@ -199,10 +200,14 @@ def test_plain_policy_asks_for_drafts_again_after_a_while():
     policy = _policy_with_rounds(clean_s=100.0, prompt_s=0.0, prompt_steps=0)
     for _ in range(10):
         policy.observe_round(0, 3, 3)
-    n = EXPLORE_AFTER + SPELL + 1
-    chosen = [policy.depths([0], [3])[0] for _ in range(2 * n)]
-    # a spell at full depth each time; nothing measured, so no backoff
-    assert chosen == ([0] * EXPLORE_AFTER + [3] * (SPELL + 1)) * 2
+    for _ in range(GATE_MIN):  # measured: drafting 100 ms a step, plain 2 ms
+        policy.gate.add(1, True, 4, 100.0, verified=True)
+        policy.gate.add(1, False, 1, 2.0)
+    n = 3 * EXPLORE_AFTER + 2 * (SPELL + 1)
+    chosen = [policy.depths([0], [3])[0] for _ in range(n)]
+    # a spell at full depth each time; it confirmed plain, so the next comes later
+    assert chosen == [0] * EXPLORE_AFTER + [3] * (SPELL + 1) + \
+        [0] * 2 * EXPLORE_AFTER + [3] * (SPELL + 1)
 
 
 def _served(gap_s: float) -> AdaptiveDepth:

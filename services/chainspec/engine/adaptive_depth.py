@@ -13,8 +13,7 @@ Two estimates feed the choice, both measured online, neither tuned by the user:
 Three guards keep the estimates honest under load: the draft round's cost is a rolling
 median of rounds with no prompt rows in them (a prompt's rows are the drafter's to take
 whatever the depth, and would price drafting out); switching drafting back on must beat
-plain by `SWITCH_MARGIN`, and once measured, drafting stops only `HOLD_MARGIN` behind it
-(no flapping on noise: each switch costs); and after `EXPLORE_AFTER` plain steps
+plain by `SWITCH_MARGIN` (no flapping on noise); and after `EXPLORE_AFTER` plain steps
 one step asks for drafts again, so a load that fell is noticed. The step's other work is
 measured apart for steps that asked for drafts and steps that did not: the drafter
 client's threads (decoding drafts, encoding rows) take the GIL from the step, a cost of
@@ -64,6 +63,7 @@ SPELL = 6  # steps of a plain probe spell (its first one only stops the drafter 
 # a drafting spell has one more: its first two flush the held rows and wait for drafts)
 GATE_MIN = 5  # measured steps of each kind, at the batch's size, before the gate decides
 MAX_BACKOFF = 16  # probes at most 16x rarer once they keep confirming the choice
+LOAD_DECAY = 0.95  # the load's running mean (the gate's batch size): weight of the past
 
 
 @dataclass(frozen=True)
@@ -273,6 +273,7 @@ class AdaptiveDepth:
     lead: float = 0.0  # the last choice's measured tokens/s over plain's (0: unmeasured)
     _probing: bool | None = None  # whether the steps before the running spell drafted
     flush_s: float = 0.0  # the last switch to drafting: its steps until drafts flowed
+    load: float | None = None  # running mean of the sequences a step verifies
     plain_s: float = 0.0  # seconds of plain steps since drafting last ran
     _flush_started: float | None = None
     _last: tuple[bool, bool] = (False, False)  # the previous step asked, had prompt rows
@@ -312,8 +313,13 @@ class AdaptiveDepth:
             return list(caps)
         n = len(caps)
         rates = [self.rates(k) for k in keys]
-        measured = self.gate.measured(n, cost.per_row_s)  # NOTE: the model's until then
-        self._probe(n, measured is not None)
+        # NOTE: the gate's batch size is the load's running mean: in a closed loop the
+        # batch swings (64 -> 21 as a wave of requests ends), and a choice per bucket
+        # flipped with it, each flip paying a flush
+        self.load = n if self.load is None else LOAD_DECAY * self.load + (1 - LOAD_DECAY) * n
+        load = max(1, round(self.load))
+        measured = self.gate.measured(load, cost.per_row_s)  # NOTE: the model's until then
+        self._probe(load, measured is not None)
         left, draft = self.spell
         if left:
             self.spell = (left - 1, draft)
@@ -341,7 +347,9 @@ class AdaptiveDepth:
         """Start a probe spell when one is due: the other mode, measured again."""
         if self.spell[0]:
             return
-        if self.plain_steps >= EXPLORE_AFTER * self.backoff and \
+        unmeasured = self.gate.count(batch, True) < GATE_MIN  # drafting, at this load
+        if unmeasured and self.plain_steps >= SPELL + GATE_MIN or \
+                self.plain_steps >= EXPLORE_AFTER * self.backoff and \
                 self.plain_s * FLUSH_SHARE >= self.flush_s:  # NOTE: load may fall
             self.plain_steps, self.spell, self._probing = 0, (SPELL + 1, True), False
             return
@@ -396,7 +404,8 @@ class AdaptiveDepth:
             # plain spell (the held rows' flush) are not typical, and are left out.
             kind = True if asked and asked_before and self._asked_earlier else \
                 False if not (asked or asked_before or verified) else None
-            sample = None if kind is None or idle_after else (batch, kind, rows)
+            load = max(1, round(self.load or batch))
+            sample = None if kind is None or idle_after or not batch else (load, kind, rows)
             if asked and not asked_before:  # a switch: the held rows go now
                 self._flush_started = started_s
             elif kind and self._flush_started is not None:
