@@ -267,14 +267,14 @@ def test_gate_buckets_are_octaves_around_powers_of_two():
 
 
 def test_measured_lead_counts_rounds_past_their_deadline():
-    # plain 1 + 1 row = 2 ms a token; drafting 2 deep at rates 1: 3 tokens in 1.5 + 3 rows
-    # = 4.5 ms when the drafts are in hand, 1 token in 10 + 1 ms when not
-    always = Measured(plain_s=1.0, hit_s=1.5, miss_s=10.0, hit=1.0)
-    assert always.lead([[1.0, 1.0]], [2], per_row_s=1.0) == pytest.approx(3 / 4.5 * 2)
-    half = Measured(plain_s=1.0, hit_s=1.5, miss_s=10.0, hit=0.5)
+    # plain 2 ms a step; drafting 4.5 ms with drafts in hand (3 tokens a sequence),
+    # 11 ms without (a token)
+    always = Measured(plain_s=2.0, hit_s=4.5, miss_s=11.0, hit=1.0)
+    assert always.lead(3.0) == pytest.approx(3 / 4.5 * 2)
+    half = Measured(plain_s=2.0, hit_s=4.5, miss_s=11.0, hit=0.5)
     # (.5 * 3 + .5 * 1) tokens in (.5 * 4.5 + .5 * 11) ms, against .5 tokens/ms
-    assert half.lead([[1.0, 1.0]], [2], per_row_s=1.0) == pytest.approx(2 / 7.75 * 2)
-    assert half.lead([[1.0, 1.0]], [0], per_row_s=1.0) == 1.0
+    assert half.lead(3.0) == pytest.approx(2 / 7.75 * 2)
+    assert half.lead(1.0) < 1  # nothing accepted: the misses' waits are all there is
 
 
 class Served:
