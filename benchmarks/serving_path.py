@@ -564,6 +564,7 @@ def summarize(args, argv, runs, shares, cores, local: list[dict]) -> dict:
     out = {"argv": argv if argv is not None else sys.argv[1:], "cores": len(cores),
            "load_generator_core": cores[-1] if len(cores) > 1 else None,
            "requests": args.requests, "max_tokens": args.max_tokens, "runs": runs,
+           "local_runs": local,
            "profile": shares}
     out["micro_us_per_message"] = micro()
     for mode, engine_mode, point, rs in (("plain", "plain", "serve_plain", runs),
