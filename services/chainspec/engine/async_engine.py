@@ -275,6 +275,9 @@ class AsyncVerifier:
                 by_loop.setdefault(stream.loop, []).append(out)
         for loop, outs in by_loop.items():
             with self._pending_lock:
+                if loop.is_closed():  # NOTE: its wake-up will never run: drop what waits
+                    self._pending.pop(loop, None)
+                    continue
                 waiting = self._pending.get(loop)
                 if waiting is not None:  # a wake-up is on its way: it takes these too
                     waiting.extend(outs)
