@@ -368,3 +368,20 @@ def test_measured_choice_has_hysteresis_both_ways():
     _measure(policy, 1.2)
     assert policy.depths([0], [3]) == [3]
     assert policy.lead == pytest.approx(1.2, rel=0.01)  # rates ~1, not quite
+
+
+def _plain_samples_after_drafting(flush_s: float) -> int:
+    """3 drafting steps, then 40 plain ones, 100 ms each: plain samples taken."""
+    policy = AdaptiveDepth(num_steps=3)
+    for i, asked in enumerate([True] * 3 + [False] * 40):
+        if i == 3:
+            policy.flush_s = flush_s  # as the last switch measured it
+        policy.observe_step(1, 0.05, 0.0, 0.0, asked, started_s=0.1 * i, batch=1)
+    return policy.gate.count(1, False)
+
+
+def test_plain_steps_while_the_drafter_catches_up_are_no_samples():
+    # the last drafting step started at 0.2 s; with a 1 s flush measured, plain steps
+    # before 2.2 s share the host with the drafter's backlog: steps from 2.2 s to 4.1 s
+    assert _plain_samples_after_drafting(1.0) in (19, 20, 21)
+    assert _plain_samples_after_drafting(0.0) == 32  # the window's length: all but two

@@ -260,6 +260,7 @@ class AdaptiveDepth:
     load: float | None = None  # running mean of the sequences a step verifies
     plain_s: float = 0.0  # seconds of plain steps since drafting last ran
     _flush_started: float | None = None
+    _asked_s: float = float("-inf")  # when a step last asked for drafts
     _last: tuple[bool, bool] = (False, False)  # the previous step asked, had prompt rows
     _asked_earlier: bool = False  # the step before the previous one asked for drafts
     _open: tuple | None = None  # the last step: start, busy s, overhead, asked, gate sample
@@ -389,6 +390,11 @@ class AdaptiveDepth:
             # plain spell (the held rows' flush) are not typical, and are left out.
             kind = True if asked and asked_before and self._asked_earlier else \
                 False if not (asked or asked_before or verified) else None
+            if asked:
+                self._asked_s = started_s
+            elif kind is False and started_s - self._asked_s < 2 * self.flush_s:
+                kind = None  # NOTE: the drafter still works off the last rounds: it takes
+                # the host's cores from plain steps (at c=64, +60 % on plain's median)
             load = max(1, round(self.load or batch))
             sample = None if kind is None or idle_after or not batch else (load, kind, rows)
             if asked and not asked_before:  # a switch: the held rows go now
