@@ -61,7 +61,8 @@ class Process:
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env)
         self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -95,6 +96,19 @@ def start_serve(model_dir: Path, namespace: str, *extra: str) -> Process:
     served.url = f"http://127.0.0.1:{port}"
     served.wait_for("Ctrl-C stops it.", 240)
     return served
+
+
+def stop_serve(served: Process, namespace: str, timeout: float = 90) -> None:
+    """SIGTERM a `chainspec serve` and wait; `chainspec down` only when it did not say
+    that it stopped its stack. NOTE: serve says `[ 4.2s] stopped` once its stack is down
+    (never "stack stopped", which is `up`'s line): a `down` after it is a fresh CLI
+    process, 3-9 s here, that finds nothing to stop."""
+    if served.proc.poll() is None:
+        served.proc.terminate()
+        served.proc.wait(timeout)
+    served.reader.join(10)  # its last lines
+    if not any(line.endswith("] stopped") for line in served.lines):
+        cli(namespace, "down")
 
 
 def cli(namespace: str, *args: str) -> subprocess.CompletedProcess:

@@ -47,10 +47,7 @@ def test_served_streams_equal_plain_decoding(ray_cluster, tmp_path, family):
         with ThreadPoolExecutor(STREAMS) as pool:
             got = list(pool.map(lambda p: stream(client, p), texts))
     finally:
-        served.proc.terminate()
-        served.proc.wait(60)
-        if "stack stopped" not in served.output():
-            helpers.cli(namespace, "down")
+        helpers.stop_serve(served, namespace, 60)
     assert [text for text, _ in got] == plain
     drafted = sum(s["draft_tokens"] for _, s in got)
     accepted = sum(s["accepted_tokens"] for _, s in got)

@@ -18,7 +18,7 @@ import ray
 from chainspec.engine.local import DEMO_MODEL
 from chainspec.models.tokenizer import Tokenizer
 from tests.hf_cache import add_to_cache
-from tests.integration.helpers import Process, cli, plain_outputs
+from tests.integration.helpers import Process, plain_outputs, stop_serve
 
 pytestmark = pytest.mark.timeout(300)
 NS = "chainspec-hub-test"
@@ -71,10 +71,7 @@ def test_serve_a_cached_hub_id_offline(ray_cluster, hub_cache, offline):
                     {"model": REPO, "prompt": PROMPT, "max_tokens": TOKENS,
                      "temperature": 0, "ignore_eos": True})
     finally:
-        served.proc.terminate()
-        served.proc.wait(60)
-        if "stack stopped" not in served.output():
-            cli(NS, "down")
+        stop_serve(served, NS, 60)
     tok = Tokenizer.from_dir(DEMO_MODEL)
     [expected] = plain_outputs(DEMO_MODEL, [tok.encode(PROMPT)], TOKENS)
     assert body["usage"]["completion_tokens"] == TOKENS

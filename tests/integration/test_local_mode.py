@@ -26,6 +26,7 @@ from tests.integration.helpers import (
     plain_outputs,
     prompt_ids,
     start_serve,
+    stop_serve,
     verifier_stub,
     wait_for,
 )
@@ -42,10 +43,7 @@ def served(ray_cluster, model_dir):
     s = start_serve(model_dir, NS_LOCAL, "--max-seqs", "8", "--drafter-mode", "local",
                     "--pipeline-groups", "2")
     yield s
-    s.proc.terminate()
-    s.proc.wait(60)
-    if "stack stopped" not in s.output():
-        cli(NS_LOCAL, "down")
+    stop_serve(s, NS_LOCAL, 60)
 
 
 @pytest.fixture(scope="module")

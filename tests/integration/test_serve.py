@@ -33,11 +33,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def served(ray_cluster, model_dir):
     s = start_serve(model_dir, NS)
     yield s
-    if s.proc.poll() is None:
-        s.proc.terminate()
-        s.proc.wait(60)
-    if "stack stopped" not in s.output():
-        cli("down")
+    helpers.stop_serve(s, NS, 60)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from chainspec.cluster import stack
 from chainspec.engine.local import DEMO_MODEL
 from tests import tools
-from tests.integration.helpers import cli, start_serve
+from tests.integration.helpers import start_serve, stop_serve
 
 pytestmark = pytest.mark.timeout(300)
 NS = "chainspec-tooling-test"
@@ -32,10 +32,7 @@ REQUESTS, CONCURRENCY, ISL, OSL = 6, 2, 16, 12
 def served(ray_cluster):
     s = start_serve(DEMO_MODEL, NS, "--max-seqs", "4")
     yield s
-    s.proc.terminate()
-    s.proc.wait(60)
-    if "stack stopped" not in s.output():
-        cli(NS, "down")
+    stop_serve(s, NS, 60)
 
 
 def scrape(url: str) -> dict[tuple, float]:

@@ -48,10 +48,7 @@ def test_tp2_drafter_and_tp2_verifier_serve_streams_equal_to_plain(ray_cluster):
             after_kill = list(pool.map(lambda p: complete(client, p), texts))
         back = _new_group(drafter, {r["pid"] for r in ranks})
     finally:
-        served.proc.terminate()
-        served.proc.wait(90)
-        if "stack stopped" not in served.output():
-            helpers.cli(namespace, "down")
+        helpers.stop_serve(served, namespace)
     assert [text for text, _ in got] == plain
     accepted = sum(s["accepted_tokens"] for _, s in got)
     drafted = sum(s["draft_tokens"] for _, s in got)

@@ -38,10 +38,7 @@ def test_tp2_verifier_serves_streams_equal_to_plain(ray_cluster):
         with ThreadPoolExecutor(STREAMS) as pool:
             got = list(pool.map(lambda p: complete(client, p), [tok.decode(i) for i in ids]))
     finally:
-        served.proc.terminate()
-        served.proc.wait(90)
-        if "stack stopped" not in served.output():
-            helpers.cli(namespace, "down")
+        helpers.stop_serve(served, namespace)
     assert [text for text, _ in got] == plain
     accepted = sum(s["accepted_tokens"] for _, s in got)
     drafted = sum(s["draft_tokens"] for _, s in got)
