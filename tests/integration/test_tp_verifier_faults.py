@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -163,7 +164,8 @@ def test_through_the_gateway_requests_fail_over_to_the_other_tp_verifier(ray_clu
             t.start()
         time.sleep(0.5)
         os.kill(victim["ranks"][1]["pid"], signal.SIGKILL)
-        after = [complete(i) for i in range(STREAMS)]  # routed to verifier-1 meanwhile
+        with ThreadPoolExecutor(STREAMS) as pool:  # routed to verifier-1 meanwhile
+            after = list(pool.map(complete, range(STREAMS)))
         for t in threads:
             t.join(60)
         assert not any(t.is_alive() for t in threads), "a stream hangs"
@@ -174,10 +176,7 @@ def test_through_the_gateway_requests_fail_over_to_the_other_tp_verifier(ray_clu
                                       and all(r["state"] == "alive" for r in m["ranks"])),
                                      None), 120, "verifier-0 back")
     finally:
-        served.proc.terminate()
-        served.proc.wait(90)
-        if "stack stopped" not in served.output():
-            helpers.cli(ns, "down")
+        helpers.stop_serve(served, ns)
     failed = {i: got for i, (got, _) in enumerate(results) if isinstance(got, Exception)}
     assert not failed, failed  # the streams on the killed verifier resumed
     assert [got for got, _ in results] == plain
