@@ -111,9 +111,18 @@ def status(env) -> dict:
     return json.loads(r.stdout)
 
 
-def ready(env, role: str) -> list[str]:
-    return sorted(m["member_id"] for m in status(env)["members"]
+def ready(snapshot: dict, role: str) -> list[str]:
+    """The ready members of `role` in one `status --json` (NOTE: each `status` is a
+    fresh CLI process that joins Ray, ~3 s: one per check, not one per role)."""
+    return sorted(m["member_id"] for m in snapshot["members"]
                   if m["role"] == role and m["state"] == "ready")
+
+
+def drained_to_one(env) -> dict | None:
+    """The status once a single drafter is left and ready, else None."""
+    now = status(env)
+    drafters = [m for m in now["members"] if m["role"] == "drafter"]
+    return now if len(drafters) == 1 and len(ready(now, "drafter")) == 1 else None
 
 
 class Streams:
@@ -191,7 +200,7 @@ def test_gcs_restart_under_load_loses_nothing(served, env, model_dir) -> None:
     r = cli(env, "scale", "drafters", "2")
     assert r.returncode == 0, r.stderr
     before = status(env)
-    drafters, verifiers = ready(env, "drafter"), ready(env, "verifier")
+    drafters, verifiers = ready(before, "drafter"), ready(before, "verifier")
     assert len(drafters) == 2 and len(verifiers) == 1, before
 
     tok = Tokenizer.from_dir(model_dir)
@@ -220,7 +229,7 @@ def test_gcs_restart_under_load_loses_nothing(served, env, model_dir) -> None:
 
     # the same members, not restarted ones, and the scaled count kept
     after = status(env)
-    assert ready(env, "drafter") == drafters and ready(env, "verifier") == verifiers
+    assert ready(after, "drafter") == drafters and ready(after, "verifier") == verifiers
     pids = {m["member_id"]: m["pid"] for m in before["members"]}
     assert {m["member_id"]: m["pid"] for m in after["members"]
             if m["member_id"] in pids} == pids
@@ -230,10 +239,9 @@ def test_gcs_restart_under_load_loses_nothing(served, env, model_dir) -> None:
     # the controller acts through the new GCS: its autoscaler decides, the drain is done
     r = cli(env, "scale", "drafters", "auto:1-1")
     assert r.returncode == 0, r.stderr
-    helpers.wait_for(lambda: len(ready(env, "drafter")) == 1 and
-                     len([m for m in status(env)["members"] if m["role"] == "drafter"]) == 1,
-                     60, "the autoscaler draining to one drafter")
-    assert status(env)["autoscale"]["last_decision"]["after"] == 1
+    drained = helpers.wait_for(lambda: drained_to_one(env), 60,
+                               "the autoscaler draining to one drafter")
+    assert drained["autoscale"]["last_decision"]["after"] == 1  # stored before the drain
 
     # the gateway's own Ray session reconnected: its shutdown stops the stack through it
     served.proc.send_signal(signal.SIGTERM)
