@@ -431,3 +431,42 @@ def test_a_bonus_pass_entry_hit_looks_ahead_in_its_exact_round(chain) -> None:
         want = set(q.topk(engine.config.ahead_fanout).indices.tolist())
         got = {h.outcome[-1] for h in plan if h.accepted == a}
         assert got <= want and got
+
+
+def test_a_mixed_batch_splits_the_hits_after_the_answer_it_waits_for() -> None:
+    """`split_hits` answers the misses first (a round over them alone); the hits' exact
+    windows then ride with every look-ahead's first round in one more round: the
+    misses' from committed state, the hits' from their entries' chains. Exact drafts are
+    those of the updates alone, and the step clock sees one update, not two."""
+    k, rng = 3, random.Random(5)
+    engine = _engine(k, 2, True, ahead_rows=10_000, ahead_second_round=True)
+    twin = _engine(k, 2, True)
+    seqs = {i: Committed(rng, 9 + i) for i in range(2)}
+    for e in (engine, twin):
+        e.update([_ahead(prefill(i, s)) for i, s in seqs.items()])
+    entries = engine.look_ahead()
+    hit = next(e for e in entries if e.seq_id == 0 and e.drafts.tokens.shape == (k,))
+    key = (0, hit.drafts.position, tuple(hit.drafts.tokens.tolist()))
+    start = len(seqs[0].tokens) - 1
+    rows = torch.randn(len(hit.outcome), seqs[0].hidden.shape[1])
+    miss = seqs[1].extend(rng, 2)
+    updates = [_ahead(SeqUpdate(0, start, hit.outcome, rows), key[2]),
+               _ahead(SeqUpdate(1, miss.start, miss.tokens, miss.hidden))]
+    assert engine.split_hits(updates) == ([1], [0])
+    assert engine.split_hits(updates[:1]) == ([0], []), "all hits: one answer"
+    batches, run = [], engine._run
+    engine._run = lambda windows: batches.append(len(windows)) or run(windows)
+    (got_miss,) = engine.update([updates[1]])
+    pending = engine.pending_ahead()
+    clock = engine.ahead_clock
+    seen = ([list(g) for g in clock.gaps.values()], clock._answered, clock._hit)
+    (got_hit,) = engine.update([updates[0]], rest_of=pending)
+    assert ([list(g) for g in clock.gaps.values()], clock._answered, clock._hit) == seen
+    want = twin.update([SeqUpdate(u.seq_id, u.start, u.tokens, u.hidden) for u in updates])
+    assert batches == [1, 1 + 2], "the miss alone; then the hit and both bonus passes"
+    assert [got_hit.tokens.tolist(), got_miss.tokens.tolist()] == \
+        [w.tokens.tolist() for w in want]
+    assert engine.pending_ahead() == []
+    early = engine.look_ahead_early(engine.pending_early())
+    assert {(e.seq_id, e.base) for e in early} == {(0, start + len(hit.outcome)),
+                                                   (1, miss.start + len(miss.tokens))}

@@ -139,10 +139,16 @@ class DrafterEngine(DraftAheadRounds):
             self._observe_occupancy()
 
     @torch.inference_mode()
-    def update(self, updates: Sequence[SeqUpdate]) -> list[SeqOutcome]:
-        """Apply updates and draft. Bad updates fail alone; the others proceed."""
+    def update(self, updates: Sequence[SeqUpdate],
+               rest_of: list[AheadSource] | None = None) -> list[SeqOutcome]:
+        """Apply updates and draft. Bad updates fail alone; the others proceed.
+        `rest_of`: these updates are the rest of a batch whose first part the last
+        update answered, and these look-ahead sources of it (`pending_ahead`) draft
+        their first round in this round (`split_hits`)."""
         started = time.perf_counter()
-        if self.ahead_clock is not None and any(u.look_ahead for u in updates):
+        timed = self.ahead_clock is not None and rest_of is None and \
+            any(u.look_ahead for u in updates)
+        if timed:
             self.ahead_clock.update_started(started)
         outcomes: list[SeqOutcome | None] = [None] * len(updates)
         accepted: list[tuple[int, SeqUpdate, Window]] = []
@@ -162,7 +168,7 @@ class DrafterEngine(DraftAheadRounds):
         self._ahead = []
         if accepted:
             out, eager_reason, hits, merged = self._run_with_early(
-                [u for _, u, _ in accepted], windows)
+                [u for _, u, _ in accepted], windows, rest_of or [])
             for row, (i, upd, window) in enumerate(accepted):
                 self._commit(upd, window)
                 outcomes[i] = self._result(upd, out, row)
@@ -172,7 +178,7 @@ class DrafterEngine(DraftAheadRounds):
                         self._ahead.append(hits[upd.seq_id])
                 elif upd.look_ahead and upd.want_drafts and self.config.num_steps > 1:
                     self._ahead.append(self._ahead_source(upd, window, out, row))
-        if self.ahead_clock is not None and any(u.look_ahead for u in updates):
+        if timed:  # NOTE: the rest of a batch: the verifier waited for its first part
             if self._ahead:
                 self.ahead_clock.exact_done(time.perf_counter() - started)
             self.ahead_clock.answered(time.perf_counter(), hit=not self._ahead)

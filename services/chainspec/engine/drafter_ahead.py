@@ -7,6 +7,7 @@ exact round (a round's cost is mostly fixed: one batch instead of two). A mixin 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -197,18 +198,41 @@ class DraftAheadRounds:
         the history (`_history`, `_base`)."""
         todo = []
         for u in updates:
-            st = self.seqs.get(u.seq_id)
-            src = self._chained.get((u.seq_id, u.end, u.verifying))
-            if src is None or st is None or not u.look_ahead or not u.want_drafts or \
-                    u.start != st.next_start or st.hist_hidden is None:
+            src = self._hit_source(u)
+            if src is None:
                 continue
+            st = self.seqs[u.seq_id]
             hidden = torch.cat([st.hist_hidden, u.hidden.to(self.dtype)])
             tokens = torch.cat([st.hist_tokens, torch.tensor(u.tokens, dtype=torch.int64)])
             self._early[u.seq_id] = (hidden, tokens, u.end)
             todo.append(src)
         return todo
 
-    def _run_with_early(self, updates: list[SeqUpdate], windows: list[Window]
+    def split_hits(self, updates: Sequence[SeqUpdate]) -> tuple[list[int], list[int]]:
+        """Indices of `updates` to answer first (the verifier waits for their drafts)
+        and of the hits to answer after them, when there are both: the answer it waits
+        for then comes from a round over the misses alone, and the hits' exact windows
+        ride in the next round with every look-ahead's first round (`update`'s
+        `rest_of`). Else every index first, none after."""
+        hits = [i for i, u in enumerate(updates) if self._hit_source(u) is not None]
+        first = [i for i in range(len(updates)) if i not in set(hits)]
+        waits = any(updates[i].want_drafts for i in first)
+        if not hits or not waits or self.cache.has_states or self.config.num_steps < 2:
+            return list(range(len(updates))), []
+        return first, hits
+
+    def _hit_source(self, u: SeqUpdate) -> AheadSource | None:
+        """The chain states of the entry `u` verifies, if `u` is a hit that asks for a
+        look-ahead."""
+        st = self.seqs.get(u.seq_id)
+        src = self._chained.get((u.seq_id, u.end, u.verifying))
+        if src is None or st is None or not u.look_ahead or not u.want_drafts or \
+                u.start != st.next_start or st.hist_hidden is None:
+            return None
+        return src
+
+    def _run_with_early(self, updates: list[SeqUpdate], windows: list[Window],
+                        rest_of: list[AheadSource]
                         ) -> tuple[DraftOutput, str | None, dict[int, AheadSource], bool]:
         """The exact round over `windows` (of `updates`). When every update that asks for
         a look-ahead is a hit, their first look-ahead round runs in the same batch (rows
@@ -224,9 +248,12 @@ class DraftAheadRounds:
         todo = [] if self.cache.has_states or self.config.num_steps < 2 else \
             self._early_sources(updates)
         hits = {src.seq_id: src for src in todo}
+        rest_of = [src for src in rest_of if self._current(src) and src.seq_id not in hits]
         try:
             if todo and len(todo) == asking:
-                first = self._first_windows(todo, timed=False)
+                # NOTE: the first part's look-aheads start from committed state (history
+                # rows only); the hits' from the true rows of their updates (_early)
+                first = self._first_windows(todo + rest_of, timed=False)
                 ran = self._run_scratch(first.windows, first.seq_ids, exact=windows)
                 if ran is not None:
                     first.done = self._first_entries(first, ran[0], len(windows))
@@ -234,6 +261,7 @@ class DraftAheadRounds:
                     return *ran, hits, True
         finally:
             self._early = {}
+        self._ahead += rest_of  # NOTE: did not ride: they run after this answer
         return *self._run(windows), hits, False
 
     @torch.inference_mode()

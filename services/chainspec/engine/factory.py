@@ -97,10 +97,10 @@ class TimedDrafterEngine(DrafterEngine):
     updates = 0
     update_s_total = 0.0
 
-    def update(self, updates):
+    def update(self, updates, rest_of=None):
         t0 = time.perf_counter()
         try:
-            return super().update(updates)
+            return super().update(updates, rest_of)
         finally:
             self.updates += 1
             self.update_s_total += time.perf_counter() - t0

@@ -5,7 +5,8 @@ of it (decode, releases, `update`, encode, a stream's cleanup, warm-up) runs on 
 event loop's thread, the engine's only thread. A request is answered where it arrives:
 no hop to a worker thread and back (two thread wake-ups a round); a round blocks the
 loop, which could not start another round meanwhile anyway. A stream's requests are
-answered one at a time, in order, exactly once each.
+answered one at a time, in order: each once, or under draft-ahead in two parts when it
+mixes look-ahead hits with updates whose drafts the verifier waits for (those first).
 
 Sequence ids are scoped per stream: each stream maps the verifier's `seq_id`s to
 engine-unique ids (errors name the verifier's), and everything the stream holds is
@@ -33,6 +34,7 @@ from chainspec.engine.draft_types import (
     SeqFailure,
     SeqOutcome,
     SeqUpdate,
+    UpdateBatch,
 )
 from chainspec.engine.drafter import DrafterEngine
 from chainspec.engine.fingerprint import model_fingerprint
@@ -54,6 +56,7 @@ from chainspec.rpc.server import RunningServer, ServerOptions, start_server
 from chainspec.version import chainspec_version
 
 WARMUP_SEQ = -1  # engine ids from streams are >= 0
+UNKNOWN_SEQ = -2  # stands for a verifier id the stream does not hold
 UNDECLARED_SHARE = 4  # an undeclared stream may hold 1/4 of the drafter (at least 1)
 
 
@@ -109,12 +112,18 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 if self.trace is not None:
                     self.trace.mark(request.batch_id, "d_recv")
                 # NOTE: on the loop's thread (the engine's); see the module docstring
-                response = self.answer(stream, request, self.decode(request))
+                batch, failures = self.decode(request)
+                batch, rest = self._split(stream, batch)
+                response = self.answer(stream, request, (batch, failures))
                 # NOTE: taken before another stream's round can replace them
                 early, pending = self.engine.pending_early(), self.engine.pending_ahead()
                 if self.trace is not None:
                     self.trace.mark(request.batch_id, "d_send")
                 yield response
+                if rest is not None:  # the hits, after the answer the verifier waits for
+                    response = self._answer_rest(stream, rest, pending)
+                    early, pending = self.engine.pending_early(), self.engine.pending_ahead()
+                    yield response
                 if early is not None:  # the hits' look-ahead, its first round done
                     ahead = self.look_ahead_early(stream, request.batch_id, early)
                     if ahead is not None:
@@ -191,7 +200,34 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             trace.mark(request.batch_id, "d_encoded")
         return response
 
-    def _draft(self, stream: _Stream, updates: Sequence[SeqUpdate]) -> list[SeqOutcome]:
+    def _split(self, stream: _Stream, batch: UpdateBatch
+               ) -> tuple[UpdateBatch, UpdateBatch | None]:
+        """The batch's part to answer first, and its hits to answer after it, if the
+        engine splits them (DrafterEngine.split_hits); else (batch, None)."""
+        if self.draining or not any(u.verifying for u in batch.updates):
+            return batch, None
+        scoped = [replace(u, seq_id=stream.ids.get(u.seq_id, UNKNOWN_SEQ))
+                  for u in batch.updates]
+        first, after = self.engine.split_hits(scoped)
+        if not after:
+            return batch, None
+        ups = batch.updates
+        return (replace(batch, updates=tuple(ups[i] for i in first)),
+                UpdateBatch(batch.batch_id, tuple(ups[i] for i in after)))
+
+    def _answer_rest(self, stream: _Stream, rest: UpdateBatch,
+                     pending: list[AheadSource]) -> pb.DraftResponse:
+        """A second answer to the batch: its hits, their exact round also drafting the
+        first look-ahead round of `pending` (the first part's) and their own. NOTE: the
+        verifier's client takes a second reply to a batch like the first."""
+        if self.draining:  # NOTE: it may begin while the first part is on its way
+            results = self._refuse(stream, rest.updates)
+        else:
+            results = self._draft(stream, rest.updates, rest_of=pending)
+        return encode_draft_response(DraftReply(rest.batch_id, tuple(results)))
+
+    def _draft(self, stream: _Stream, updates: Sequence[SeqUpdate],
+               rest_of: list[AheadSource] | None = None) -> list[SeqOutcome]:
         fresh: set[int] = set()  # verifier ids given an engine id by this request
         scoped, admitted, refused = [], [], []
         for u in updates:
@@ -211,7 +247,11 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             scoped.append(replace(u, seq_id=eid))
             admitted.append(u)
         t0 = time.perf_counter()
-        outcomes = self.engine.update(scoped) if scoped else []
+        if not scoped:
+            outcomes = []
+        else:  # NOTE: `rest_of` only where it is one (engines that tests stand in for)
+            outcomes = self.engine.update(scoped) if rest_of is None else \
+                self.engine.update(scoped, rest_of)
         elapsed = time.perf_counter() - t0
         results: list[SeqOutcome] = refused
         for u, eu, out in zip(admitted, scoped, outcomes, strict=True):
