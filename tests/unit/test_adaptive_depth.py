@@ -385,14 +385,3 @@ def test_plain_steps_while_the_drafter_catches_up_are_no_samples():
     # before 2.2 s share the host with the drafter's backlog: steps from 2.2 s to 4.1 s
     assert _plain_samples_after_drafting(1.0) in (19, 20, 21)
     assert _plain_samples_after_drafting(0.0) == 32  # the window's length: all but two
-
-
-def test_load_follows_a_rise_at_once_and_a_fall_slowly():
-    policy = _learned(batch=1, accepted=3)
-    for _ in range(50):
-        policy.depths(list(range(4)), [3] * 4)
-    assert policy.load == pytest.approx(4)
-    policy.depths(list(range(64)), [3] * 64)  # a closed loop's wave arrives
-    assert policy.load == 64
-    policy.depths(list(range(21)), [3] * 21)  # a wave ends: still 64's bucket
-    assert bucket(round(policy.load)) == bucket(64)

@@ -300,10 +300,9 @@ class AdaptiveDepth:
         rates = [self.rates(k) for k in keys]
         # NOTE: the gate's batch size is the load's running mean: in a closed loop the
         # batch swings (64 -> 21 as a wave of requests ends), and a choice per bucket
-        # flipped with it, each flip paying a flush. It follows a rise at once (new
-        # sequences are sure), a fall slowly.
-        self.load = n if self.load is None else \
-            max(n, LOAD_DECAY * self.load + (1 - LOAD_DECAY) * n)
+        # flipped with it, each flip paying a flush. NOTE: following a rise at once (and
+        # a fall slowly) measured worse: 0.73 and 0.74 at c=16 and 32, against 0.87, 0.92
+        self.load = n if self.load is None else LOAD_DECAY * self.load + (1 - LOAD_DECAY) * n
         load = max(1, round(self.load))
         measured = self.gate.measured(load)  # NOTE: the model's until then
         self._probe(load, measured is not None)
