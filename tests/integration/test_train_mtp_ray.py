@@ -32,6 +32,17 @@ SETTINGS = RunSettings(EvalSettings(windows=1, loss_windows=1, prompts=1, prompt
                        threads=1)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def train_polls_often():
+    """Ray Train's controller polls its workers every 2 s by default, so each phase of a
+    run (group started, step reports, workers done) waits up to 2 s more; a run here takes
+    seconds. The driver's value reaches the controller and workers (Ray Train
+    propagates RAY_TRAIN_HEALTH_CHECK_INTERVAL_S)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+        yield
+
+
 def _digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
 
