@@ -130,10 +130,6 @@ class DraftAheadRounds:
             if left is not None and left < spent:
                 return None  # NOTE: too late for this verdict: keep the drafter free
             budget = budget if left is None else min(budget, left)
-        if not timed and c.ahead_second_round is not False:
-            # NOTE: riding in an exact round, every window delays the second round (full
-            # K for the likeliest verdicts, a = m), where the corrections compete too
-            budget = spent
         chosen = select(fixes, budget, hist, covered, spent)
         picked = {(h.src.seq_id, h.outcome) for h in chosen}
         rest = [h for h in fixes if (h.src.seq_id, h.outcome) not in picked]
