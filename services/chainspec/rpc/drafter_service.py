@@ -220,6 +220,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         """A second answer to the batch: its hits, their exact round also drafting the
         first look-ahead round of `pending` (the first part's) and their own. NOTE: the
         verifier's client takes a second reply to a batch like the first."""
+        if self.trace is not None:  # NOTE: its round is the look-ahead's first
+            self.trace.mark(rest.batch_id, "d_ahead_start")
         if self.draining:  # NOTE: it may begin while the first part is on its way
             results = self._refuse(stream, rest.updates)
         else:
