@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -65,12 +66,27 @@ def _chainspec(*args: str) -> subprocess.CompletedProcess:
                                                       "PATH": "/usr/bin:/bin"})
 
 
-@pytest.mark.parametrize("command", ["serve", "up"])
+COMMANDS = ("serve", "up")
+
+
+@pytest.fixture(scope="module")
+def runs(good, tmp_path_factory) -> dict[tuple[str, str], subprocess.CompletedProcess]:
+    """Every (case, command) run, two processes at a time: each is a fresh Python that
+    spends its ~2 s importing, one core each (CI has two)."""
+    models = {case: make(good, tmp_path_factory.mktemp("model") / "model")
+              for case, (make, _) in CASES.items()}
+    keys = [(case, command) for case in CASES for command in COMMANDS]
+    with ThreadPoolExecutor(2) as pool:
+        done = pool.map(lambda k: _chainspec(k[1], "--model", models[k[0]], "--dry-run"),
+                        keys)
+        return dict(zip(keys, done, strict=True))
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_bad_model_is_one_line_before_anything_starts(good, tmp_path, case, command):
-    make, message = CASES[case]
-    model = make(good, tmp_path / "model")
-    run = _chainspec(command, "--model", model, "--dry-run")
+def test_a_bad_model_is_one_line_before_anything_starts(runs, case, command):
+    _, message = CASES[case]
+    run = runs[case, command]
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], run.stderr
