@@ -5,6 +5,10 @@ tl.argmax, ...) are @jit functions whose interpreted form is chosen when triton 
 imported, so `kernels_on_cpu()` in this (already importing) process cannot run kernels
 that use them. One subprocess per test module keeps the cost at one import (~3 s).
 
+The first module whose fixture runs starts every collected module's run, two at a time
+(CI has two cores; each run is one single-threaded Python): the later modules' results
+are ready, or nearly, when their tests come.
+
 Usage in a test module:
 
     RESULTS = interpreted_results(__name__)      # a module-scoped fixture
@@ -19,6 +23,7 @@ import os
 import subprocess
 import sys
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -27,6 +32,10 @@ from tests.tools import REPO
 from tests.unit.kernels.support import require_triton
 
 TIMEOUT_S = 120
+_MODULES: list[str] = []  # every module that asked for a fixture, in collection order
+_RUNS: dict[str, Future] = {}  # module -> its interpreter run, once started
+# NOTE: at exit the workers finish their current run only, never the queued ones
+_POOL = ThreadPoolExecutor(2, thread_name_prefix="triton-interpreter")
 
 
 def check_names(module) -> list[str]:
@@ -47,17 +56,26 @@ def assert_kernel_equal(got: torch.Tensor, want: torch.Tensor) -> None:
 def interpreted_results(module_name: str):
     """A module-scoped fixture: {check name: "" when it passed, else its traceback}."""
 
+    _MODULES.append(module_name)
+
     @pytest.fixture(scope="module")
     def fixture() -> dict[str, str]:
         require_triton()
-        env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
-        proc = subprocess.run([sys.executable, "-m", __name__, module_name], cwd=REPO,
-                              env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        for name in (module_name, *_MODULES):  # ours first, then the others
+            if name not in _RUNS:
+                _RUNS[name] = _POOL.submit(_interpret, name)
+        proc = _RUNS[module_name].result()
         lines = proc.stdout.strip().splitlines()
         assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stderr[-4000:]}"
         return json.loads(lines[-1])
 
     return fixture
+
+
+def _interpret(module_name: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_DEFAULT_FP_FUSION="1")
+    return subprocess.run([sys.executable, "-m", __name__, module_name], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 def _main(module_name: str) -> None:
