@@ -385,3 +385,47 @@ def test_plain_steps_while_the_drafter_catches_up_are_no_samples():
     # before 2.2 s share the host with the drafter's backlog: steps from 2.2 s to 4.1 s
     assert _plain_samples_after_drafting(1.0) in (19, 20, 21)
     assert _plain_samples_after_drafting(0.0) == 32  # the window's length: all but two
+
+
+def _heavier_load_after_plain_won(forget: bool) -> list[int]:
+    """32 sequences where plain is faster (drafting 160 ms a step, plain 30 ms), then 64:
+    the depths chosen over the first 150 steps at 64. `forget`: the gate's verdict at
+    the lighter load is dropped first."""
+    served = Served(batch=32, draft_ms=160.0, plain_ms=30.0)
+    served.run(list(range(32)), accepted=3, steps=1000)
+    assert served.policy.behind[bucket(32)]
+    served.policy.load = 64.0  # NOTE: at once, so no step at 32 measures it again
+    if forget:
+        served.policy.behind.clear()
+    return served.run(list(range(64)), accepted=3, steps=150)
+
+
+def test_a_heavier_load_than_one_where_drafting_lost_is_not_probed_at_once():
+    # the lead falls with load, so a heavier bucket stays plain until the periodic probe
+    # (64 steps and 20 flushes of plain later); without the lighter load's verdict the
+    # unmeasured bucket is probed at once
+    assert not any(_heavier_load_after_plain_won(forget=False))
+    assert any(_heavier_load_after_plain_won(forget=True))
+
+
+def test_idle_time_between_steps_does_not_repay_a_flush():
+    """64 sequences, plain ahead, a 1 s flush measured: plain steps of 30 ms each, the
+    stack idle 10 s after every tenth (a benchmark's other stacks' turns). 300 plain
+    steps are 9 s of running: short of the 20 s that repay the flush, so no probe; had
+    the idle waits counted, 300 s of it would have."""
+    policy = _learned(batch=64, accepted=3)
+    keys = list(range(64))
+    for _ in range(GATE_MIN + 1):
+        policy.gate.add(64, True, 320, 0.160, verified=True)
+        policy.gate.add(64, False, 64, 0.030)
+    policy.flush_s = 1.0
+    t, chosen = 0.0, []
+    for step in range(300):
+        depths = policy.depths(keys, [3] * 64)
+        chosen.append(max(depths))
+        idle = step % 10 == 9
+        policy.observe_step(64, 0.02, 0.0, 0.0, any(depths), started_s=t, batch=64,
+                            idle_after=idle)
+        t += 0.030 + (10.0 if idle else 0.0)
+    assert policy.plain_s < 10.0
+    assert not any(chosen[EXPLORE_AFTER:])

@@ -29,7 +29,9 @@ plain steps `SPELL` + 1 steps draft at the caps; each probe that leaves the choi
 was doubles its period (to `MAX_BACKOFF` times), so a settled choice is rarely disturbed.
 A return to drafting sends the drafter every row held meanwhile (at 64 sequences, a
 second of drafter work on a small host): its measured cost (`flush_s`) holds the next
-probe from plain back until plain ran 1 / `FLUSH_SHARE` times as long.
+probe from plain back until plain ran 1 / `FLUSH_SHARE` times as long (running: idle waits
+between requests repay nothing), and a load heavier than one where drafting measured
+behind plain is not probed at once on entering it (the lead falls with load).
 
 `choose_depths` is the pure decision; `AdaptiveDepth` holds the estimates. Depth changes
 which drafts are verified, never how: the acceptance rule decides every token (3.3).
@@ -258,7 +260,9 @@ class AdaptiveDepth:
     _probing: bool | None = None  # whether the steps before the running spell drafted
     flush_s: float = 0.0  # the last switch to drafting: its steps until drafts flowed
     load: float | None = None  # running mean of the sequences a step verifies
-    plain_s: float = 0.0  # seconds of plain steps since drafting last ran
+    plain_s: float = 0.0  # seconds of plain steps since drafting last ran (busy, not idle)
+    behind: dict[int, bool] = field(default_factory=dict)  # per gate bucket: drafting, at
+    # the global acceptance (a cost, not one prompt's), last measured behind plain there
     _flush_started: float | None = None
     _asked_s: float = float("-inf")  # when a step last asked for drafts
     _last: tuple[bool, bool] = (False, False)  # the previous step asked, had prompt rows
@@ -321,6 +325,8 @@ class AdaptiveDepth:
             self.lead = measured.lead(tokens / n) if any(out) else 1.0
             bar = 1 + SWITCH_MARGIN if plain else 1 - HOLD_MARGIN
             out = out if self.lead > bar else [0] * n
+            typical = expected_tokens(self.prior(), max(caps, default=0))
+            self.behind[bucket(load)] = measured.lead(typical) < 1
         drafting = any(out)
         if self._probing is not None:  # a spell just ended: did it change the choice?
             same = measured is not None and self._probing == drafting
@@ -334,7 +340,13 @@ class AdaptiveDepth:
         """Start a probe spell when one is due: the other mode, measured again."""
         if self.spell[0]:
             return
-        unmeasured = self.gate.count(batch, True) < GATE_MIN  # drafting, at this load
+        # NOTE: drafting unmeasured at this load is probed at once, unless drafting
+        # measured behind plain at a lighter load: a verify row rides nearly free in a
+        # small batch and costs a decode row's share in a compute-bound one, so the lead
+        # falls with load (c=64 after c=32: that first probe flushed 64 sequences' rows,
+        # ~10 % of the point). The periodic probe below still corrects a wrong guess.
+        unmeasured = self.gate.count(batch, True) < GATE_MIN and \
+            not any(v for b, v in self.behind.items() if b < bucket(batch))
         if unmeasured and self.plain_steps >= SPELL + GATE_MIN or \
                 self.plain_steps >= EXPLORE_AFTER * self.backoff and \
                 self.plain_s * FLUSH_SHARE >= self.flush_s:  # NOTE: load may fall
@@ -380,9 +392,12 @@ class AdaptiveDepth:
             self._overheads(asked).append(max(0.0, overhead_s))
         else:
             if self._open is not None:  # NOTE: idle waits count too; the median sees past
-                start, busy, overhead, was_asked, sample, verified_then = self._open
+                start, busy, overhead, was_asked, sample, verified_then, idle = self._open
                 self._overheads(was_asked).append(overhead + max(0.0, started_s - start - busy))
-                self.plain_s = 0.0 if was_asked else self.plain_s + started_s - start
+                # NOTE: an idle wait is no plain running: counted, a served stack idle
+                # between a benchmark's repeats (other stacks' turns) had its flush repaid
+                ran = min(busy, started_s - start) if idle else started_s - start
+                self.plain_s = 0.0 if was_asked else self.plain_s + ran
                 if sample is not None:
                     self.gate.add(*sample, started_s - start, verified_then)
             # NOTE: a drafting step asks for drafts and waits for the ones two drafting
@@ -403,7 +418,7 @@ class AdaptiveDepth:
             elif kind and self._flush_started is not None:
                 self.flush_s, self._flush_started = started_s - self._flush_started, None
             self._open = (started_s, forward_s + overhead_s + draft_s, max(0.0, overhead_s),
-                          asked, sample, verified)
+                          asked, sample, verified, idle_after)
         if asked or asked_before:
             self.rounds.append(draft_s)
             if not (prompt_rows or prompt_before):
