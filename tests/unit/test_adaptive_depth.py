@@ -429,3 +429,41 @@ def test_idle_time_between_steps_does_not_repay_a_flush():
         t += 0.030 + (10.0 if idle else 0.0)
     assert policy.plain_s < 10.0
     assert not any(chosen[EXPLORE_AFTER:])
+
+
+def _behind_a_backlog(steps: int) -> tuple[list[int], AdaptiveDepth]:
+    """64 sequences from scratch. Drafting steps 160 ms (the first after plain 1 s more:
+    the held rows' flush); plain steps 30 ms, but 100 ms within 1.5 s of the last
+    drafting step (the drafter's backlog takes the cores). Rows are cheap to the model,
+    and backlogged plain steps make drafting's extra overhead look small to it."""
+    policy = AdaptiveDepth(num_steps=3)
+    keys, t, last_asked, before = list(range(64)), 0.0, float("-inf"), (False, False)
+    chosen = []
+    for _ in range(steps):
+        depths = policy.depths(keys, [3] * 64)
+        asked = any(depths)
+        in_hand = asked and all(before)
+        for key, d in zip(keys, depths, strict=True):
+            if in_hand and d:
+                policy.observe_round(key, d, d)
+        rows = 64 + (sum(depths) if in_hand else 0)
+        policy.observe_step(rows, rows * 1e-4, 0.0, 0.0, asked, started_s=t, batch=64,
+                            verified=in_hand)
+        if asked:
+            t += 0.160 + (0.0 if before[1] else 1.0)
+            last_asked = t
+        else:
+            t += 0.100 if t - last_asked < 1.5 else 0.030
+        before = (before[1], asked)
+        chosen.append(max(depths))
+    return chosen, policy
+
+
+def test_a_plain_probe_outlasts_the_drafters_backlog():
+    # plain is fastest (64 tokens / 30 ms against 256 / 160 ms), but a SPELL-step plain
+    # probe falls wholly in the backlog, whose steps are no samples: plain stayed
+    # unmeasured, the model decided, and it drafted 11 steps in 17 for good. The spell
+    # now runs on until plain is measured; then the gate keeps plain
+    chosen, policy = _behind_a_backlog(600)
+    assert policy.gate.count(64, False) >= GATE_MIN
+    assert sum(d > 0 for d in chosen[300:]) <= SPELL + 1

@@ -31,7 +31,9 @@ A return to drafting sends the drafter every row held meanwhile (at 64 sequences
 second of drafter work on a small host): its measured cost (`flush_s`) holds the next
 probe from plain back until plain ran 1 / `FLUSH_SHARE` times as long (running: idle waits
 between requests repay nothing), and a load heavier than one where drafting measured
-behind plain is not probed at once on entering it (the lead falls with load).
+behind plain is not probed at once on entering it (the lead falls with load). A plain
+probe spell runs on (to `LONGEST_SPELL`) while the drafter's backlog keeps its steps from
+being samples, so plain gets measured and the gate, not the model, decides.
 
 `choose_depths` is the pure decision; `AdaptiveDepth` holds the estimates. Depth changes
 which drafts are verified, never how: the acceptance rule decides every token (3.3).
@@ -63,6 +65,7 @@ CLEAR_LEAD = 1.25  # measured this lead at the batch's size;
 PROBE_SOON = 32  # until then
 SPELL = 6  # steps of a plain probe spell (its first one only stops the drafter traffic;
 # a drafting spell has one more: its first two flush the held rows and wait for drafts)
+LONGEST_SPELL = 256  # steps a plain probe spell may run on until plain is measured
 GATE_MIN = 5  # measured steps of each kind, at the batch's size, before the gate decides
 MAX_BACKOFF = 16  # probes at most 16x rarer once they keep confirming the choice
 LOAD_DECAY = 0.95  # the load's running mean (the gate's batch size): weight of the past
@@ -258,6 +261,8 @@ class AdaptiveDepth:
     backoff: int = 1  # probe periods' factor: doubles while probes confirm the choice
     lead: float = 0.0  # the last choice's measured tokens/s over plain's (0: unmeasured)
     _probing: bool | None = None  # whether the steps before the running spell drafted
+    _spell_steps: int = 0  # steps of the running spell
+    _backlog: bool = False  # the last plain step was no sample: the drafter's backlog
     flush_s: float = 0.0  # the last switch to drafting: its steps until drafts flowed
     load: float | None = None  # running mean of the sequences a step verifies
     plain_s: float = 0.0  # seconds of plain steps since drafting last ran (busy, not idle)
@@ -312,7 +317,15 @@ class AdaptiveDepth:
         self._probe(load, measured is not None)
         left, draft = self.spell
         if left:
-            self.spell = (left - 1, draft)
+            self._spell_steps += 1
+            # NOTE: a plain spell runs on while its steps are no samples (the drafter works
+            # off the last flush, 2 x flush_s) until plain is measured at this load: at
+            # c=64 on a loaded host the backlog outlasted SPELL steps, plain stayed
+            # unmeasured, and the model decided: drafting in ~half the rounds
+            if draft or left > 1 or not self._backlog or \
+                    self.gate.count(load, False) >= GATE_MIN or \
+                    self._spell_steps >= LONGEST_SPELL:
+                self.spell = (left - 1, draft)
             return list(caps) if draft else [0] * n
         plain = self.plain_steps or self._probing is False
         if measured is None:  # NOTE: plain stays plain: a switch flushes every held row
@@ -351,6 +364,7 @@ class AdaptiveDepth:
                 self.plain_steps >= EXPLORE_AFTER * self.backoff and \
                 self.plain_s * FLUSH_SHARE >= self.flush_s:  # NOTE: load may fall
             self.plain_steps, self.spell, self._probing = 0, (SPELL + 1, True), False
+            self._spell_steps = 0
             return
         if not self.drafting_steps:
             return
@@ -362,6 +376,7 @@ class AdaptiveDepth:
             period = min(PROBE_SOON * self.backoff, PROBE_PLAIN_AFTER)
         if self.drafting_steps >= period:  # and plain, without drafter traffic
             self.drafting_steps, self.spell, self._probing = 0, (SPELL, False), True
+            self._spell_steps = 0
 
     def observe_round(self, key: Hashable, num_drafts: int, accepted: int) -> None:
         if num_drafts == 0:
@@ -408,7 +423,8 @@ class AdaptiveDepth:
                 False if not (asked or asked_before or verified) else None
             if asked:
                 self._asked_s = started_s
-            elif kind is False and started_s - self._asked_s < 2 * self.flush_s:
+            self._backlog = kind is False and started_s - self._asked_s < 2 * self.flush_s
+            if self._backlog:
                 kind = None  # NOTE: the drafter still works off the last rounds: it takes
                 # the host's cores from plain steps (at c=64, +60 % on plain's median)
             load = max(1, round(self.load or batch))
