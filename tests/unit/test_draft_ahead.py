@@ -365,25 +365,33 @@ def test_early_look_ahead_on_a_hit_rides_in_its_exact_round(chain) -> None:
     assert ref.tokens.tolist() == full.drafts.tokens.tolist()
 
 
-def test_a_hit_beside_a_miss_answers_first_and_looks_ahead_from_its_entry() -> None:
-    """When another update of the batch is no hit, the verifier waits for the answer: the
-    round drafts the exact windows alone, and the hit's look-ahead follows the answer
-    with the miss's, from the chain states of the entry the hit verifies."""
-    k, rng = 3, random.Random(5)
+def _a_hit_beside_a_miss(k: int):
+    """Two sequences prefilled on a look-ahead engine and its twin (no look-ahead); then
+    sequence 0's update hits a full-K entry of the look-ahead and sequence 1's is no hit.
+    -> (engine, twin, the hit entry's key, the two updates)."""
+    rng = random.Random(5)
     engine = _engine(k, 2, True, ahead_rows=10_000, ahead_second_round=True)
     twin = _engine(k, 2, True)
     seqs = {i: Committed(rng, 9 + i) for i in range(2)}
     for e in (engine, twin):
         e.update([_ahead(prefill(i, s)) for i, s in seqs.items()])
-    entries = engine.look_ahead()
-    hit = next(e for e in entries if e.seq_id == 0 and e.drafts.tokens.shape == (k,))
+    hit = next(e for e in engine.look_ahead()
+               if e.seq_id == 0 and e.drafts.tokens.shape == (k,))
     key = (0, hit.drafts.position, tuple(hit.drafts.tokens.tolist()))
-    chain = engine._chained[key].chain
-    start = len(seqs[0].tokens) - 1
     rows = torch.randn(len(hit.outcome), seqs[0].hidden.shape[1])
     miss = seqs[1].extend(rng, 2)
-    updates = [_ahead(SeqUpdate(0, start, hit.outcome, rows), key[2]),
+    updates = [_ahead(SeqUpdate(0, len(seqs[0].tokens) - 1, hit.outcome, rows), key[2]),
                _ahead(SeqUpdate(1, miss.start, miss.tokens, miss.hidden))]
+    return engine, twin, key, updates
+
+
+def test_a_hit_beside_a_miss_answers_first_and_looks_ahead_from_its_entry() -> None:
+    """When another update of the batch is no hit, the verifier waits for the answer: the
+    round drafts the exact windows alone, and the hit's look-ahead follows the answer
+    with the miss's, from the chain states of the entry the hit verifies."""
+    k = 3
+    engine, twin, key, updates = _a_hit_beside_a_miss(k)
+    chain = engine._chained[key].chain
     batches, run = [], engine._run
     engine._run = lambda windows: batches.append(len(windows)) or run(windows)
     got = engine.update(updates)
@@ -438,20 +446,7 @@ def test_a_mixed_batch_splits_the_hits_after_the_answer_it_waits_for() -> None:
     windows then ride with every look-ahead's first round in one more round: the
     misses' from committed state, the hits' from their entries' chains. Exact drafts are
     those of the updates alone, and the step clock sees one update, not two."""
-    k, rng = 3, random.Random(5)
-    engine = _engine(k, 2, True, ahead_rows=10_000, ahead_second_round=True)
-    twin = _engine(k, 2, True)
-    seqs = {i: Committed(rng, 9 + i) for i in range(2)}
-    for e in (engine, twin):
-        e.update([_ahead(prefill(i, s)) for i, s in seqs.items()])
-    entries = engine.look_ahead()
-    hit = next(e for e in entries if e.seq_id == 0 and e.drafts.tokens.shape == (k,))
-    key = (0, hit.drafts.position, tuple(hit.drafts.tokens.tolist()))
-    start = len(seqs[0].tokens) - 1
-    rows = torch.randn(len(hit.outcome), seqs[0].hidden.shape[1])
-    miss = seqs[1].extend(rng, 2)
-    updates = [_ahead(SeqUpdate(0, start, hit.outcome, rows), key[2]),
-               _ahead(SeqUpdate(1, miss.start, miss.tokens, miss.hidden))]
+    engine, twin, _, updates = _a_hit_beside_a_miss(3)
     assert engine.split_hits(updates) == ([1], [0])
     assert engine.split_hits(updates[:1]) == ([0], []), "all hits: one answer"
     batches, run = [], engine._run
@@ -469,5 +464,5 @@ def test_a_mixed_batch_splits_the_hits_after_the_answer_it_waits_for() -> None:
         [w.tokens.tolist() for w in want]
     assert engine.pending_ahead() == []
     early = engine.look_ahead_early(engine.pending_early())
-    assert {(e.seq_id, e.base) for e in early} == {(0, start + len(hit.outcome)),
-                                                   (1, miss.start + len(miss.tokens))}
+    assert {(e.seq_id, e.base) for e in early} == {(u.seq_id, u.start + len(u.tokens))
+                                                   for u in updates}
