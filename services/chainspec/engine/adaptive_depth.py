@@ -32,8 +32,9 @@ second of drafter work on a small host): its measured cost (`flush_s`) holds the
 probe from plain back until plain ran 1 / `FLUSH_SHARE` times as long (running: idle waits
 between requests repay nothing), and a load heavier than one where drafting measured
 behind plain is not probed at once on entering it (the lead falls with load). A plain
-probe spell runs on (to `LONGEST_SPELL`) while the drafter's backlog keeps its steps from
-being samples, so plain gets measured and the gate, not the model, decides.
+probe spell runs on (to `LONGEST_SPELL`) until plain is measured at the load (the
+drafter's backlog keeps its steps from being samples), and starts at once where only
+drafting is measured, so the gate, not the model, decides.
 
 `choose_depths` is the pure decision; `AdaptiveDepth` holds the estimates. Depth changes
 which drafts are verified, never how: the acceptance rule decides every token (3.3).
@@ -66,6 +67,7 @@ PROBE_SOON = 32  # until then
 SPELL = 6  # steps of a plain probe spell (its first one only stops the drafter traffic;
 # a drafting spell has one more: its first two flush the held rows and wait for drafts)
 LONGEST_SPELL = 256  # steps a plain probe spell may run on until plain is measured
+SETTLE = 8  # steps after the last that asked for drafts before a plain step is a sample
 GATE_MIN = 5  # measured steps of each kind, at the batch's size, before the gate decides
 MAX_BACKOFF = 16  # probes at most 16x rarer once they keep confirming the choice
 LOAD_DECAY = 0.95  # the load's running mean (the gate's batch size): weight of the past
@@ -270,6 +272,7 @@ class AdaptiveDepth:
     # the global acceptance (a cost, not one prompt's), last measured behind plain there
     _flush_started: float | None = None
     _asked_s: float = float("-inf")  # when a step last asked for drafts
+    _since_asked: int = SETTLE  # steps since then
     _last: tuple[bool, bool] = (False, False)  # the previous step asked, had prompt rows
     _asked_earlier: bool = False  # the step before the previous one asked for drafts
     _open: tuple | None = None  # the last step: start, busy s, overhead, asked, gate sample
@@ -322,8 +325,10 @@ class AdaptiveDepth:
             # off the last flush, 2 x flush_s) until plain is measured at this load: at
             # c=64 on a loaded host the backlog outlasted SPELL steps, plain stayed
             # unmeasured, and the model decided: drafting in ~half the rounds
-            if draft or left > 1 or not self._backlog or \
-                    self.gate.count(load, False) >= GATE_MIN or \
+            # NOTE: and on while plain is unmeasured here at all, backlog or not: the
+            # spell's first step and prompt steps' lag gave 6-step spells at c=64 fewer
+            # than GATE_MIN samples, and the model drafted 11 steps before the next one
+            if draft or left > 1 or self.gate.count(load, False) >= GATE_MIN or \
                     self._spell_steps >= LONGEST_SPELL:
                 self.spell = (left - 1, draft)
             return list(caps) if draft else [0] * n
@@ -368,8 +373,10 @@ class AdaptiveDepth:
             return
         if not self.drafting_steps:
             return
-        if self.gate.count(batch, False) < GATE_MIN:  # plain never measured here: soon
-            period = SPELL + GATE_MIN
+        if self.gate.count(batch, False) < GATE_MIN:  # plain never measured here: soon,
+            # at once if drafting is (NOTE: else the model decides meanwhile, and at c=64
+            # on an idle box it drafted in 1118 of 4690 rows where plain was fastest)
+            period = 1 if self.gate.count(batch, True) >= GATE_MIN else SPELL + GATE_MIN
         elif measured and self.lead >= CLEAR_LEAD:
             period = PROBE_PLAIN_AFTER
         else:
@@ -423,7 +430,13 @@ class AdaptiveDepth:
                 False if not (asked or asked_before or verified) else None
             if asked:
                 self._asked_s = started_s
-            self._backlog = kind is False and started_s - self._asked_s < 2 * self.flush_s
+            self._since_asked = 0 if asked else self._since_asked + 1
+            # NOTE: and not within SETTLE steps, whatever the flush took: at c=64 on an
+            # idle box plain steps after drafting took 80, 73, 57, 57, 48, 34, 37, 31 ms,
+            # then 17-26 (the drafter's backlog, the finished requests' prompts); a spell
+            # measured plain at 48 ms, and the gate drafted where plain was fastest
+            self._backlog = kind is False and (started_s - self._asked_s < 2 * self.flush_s
+                                               or self._since_asked <= SETTLE)
             if self._backlog:
                 kind = None  # NOTE: the drafter still works off the last rounds: it takes
                 # the host's cores from plain steps (at c=64, +60 % on plain's median)
