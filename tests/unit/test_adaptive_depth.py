@@ -436,32 +436,44 @@ def test_idle_time_between_steps_does_not_repay_a_flush():
     assert not any(chosen[EXPLORE_AFTER:])
 
 
-def _behind_a_backlog(steps: int) -> tuple[list[int], AdaptiveDepth]:
-    """64 sequences from scratch. Drafting steps 160 ms (the first after plain 1 s more:
-    the held rows' flush); plain steps 30 ms, but 100 ms within 1.5 s of the last
-    drafting step (the drafter's backlog takes the cores). Rows are cheap to the model,
-    and backlogged plain steps make drafting's extra overhead look small to it."""
+def _simulate(steps: int, accepted, step_s) -> tuple[list[int], AdaptiveDepth]:
+    """64 sequences from scratch, 3 deep, at the policy's depths: `accepted(d)` drafts of d
+    are accepted; `step_s(asked, before)` is the step's seconds (`before`: whether the
+    two steps before it asked). -> (the deepest depth of each step, the policy)."""
     policy = AdaptiveDepth(num_steps=3)
-    keys, t, last_asked, before = list(range(64)), 0.0, float("-inf"), (False, False)
-    chosen = []
+    keys, t, before, chosen = list(range(64)), 0.0, (False, False), []
     for _ in range(steps):
         depths = policy.depths(keys, [3] * 64)
         asked = any(depths)
         in_hand = asked and all(before)
         for key, d in zip(keys, depths, strict=True):
             if in_hand and d:
-                policy.observe_round(key, d, d)
+                policy.observe_round(key, d, accepted(d))
         rows = 64 + (sum(depths) if in_hand else 0)
         policy.observe_step(rows, rows * 1e-4, 0.0, 0.0, asked, started_s=t, batch=64,
                             verified=in_hand)
-        if asked:
-            t += 0.160 + (0.0 if before[1] else 1.0)
-            last_asked = t
-        else:
-            t += 0.100 if t - last_asked < 1.5 else 0.030
+        t += step_s(asked, before)
         before = (before[1], asked)
         chosen.append(max(depths))
     return chosen, policy
+
+
+def _behind_a_backlog(steps: int) -> tuple[list[int], AdaptiveDepth]:
+    """Every draft accepted. Drafting steps 160 ms (the first after plain 1 s more: the
+    held rows' flush); plain steps 30 ms, but 100 ms within 1.5 s of the last drafting
+    step (the drafter's backlog takes the cores). Rows are cheap to the model, and
+    backlogged plain steps make drafting's extra overhead look small to it."""
+    clock = {"t": 0.0, "last_asked": float("-inf")}
+
+    def step_s(asked: bool, before: tuple[bool, bool]) -> float:
+        if asked:
+            took = 0.160 + (0.0 if before[1] else 1.0)
+            clock["last_asked"] = clock["t"] + took
+        else:
+            took = 0.100 if clock["t"] - clock["last_asked"] < 1.5 else 0.030
+        clock["t"] += took
+        return took
+    return _simulate(steps, lambda d: d, step_s)
 
 
 def test_a_plain_probe_outlasts_the_drafters_backlog():
@@ -475,29 +487,17 @@ def test_a_plain_probe_outlasts_the_drafters_backlog():
 
 
 def _plain_after_a_settling_backlog(steps: int) -> list[int]:
-    """64 sequences, 3 deep, 2 of 3 drafts accepted. Drafting steps 80 ms (~3 tokens a
-    sequence: 2400 tokens/s); plain steps 20 ms (3200 tokens/s), but 60 ms for the first
-    8 after a drafting step, however short the flush (the drafter's backlog, the finished
-    requests' prompts: at c=64 on an idle box 80, 73, 57, 57, 48, 34, 37, 31 ms, then
-    17-26). No flush: drafting steps cost the same right after plain."""
-    policy = AdaptiveDepth(num_steps=3)
-    keys, t, since, before = list(range(64)), 0.0, 99, (False, False)
-    chosen = []
-    for _ in range(steps):
-        depths = policy.depths(keys, [3] * 64)
-        asked = any(depths)
-        in_hand = asked and all(before)
-        for key, d in zip(keys, depths, strict=True):
-            if in_hand and d:
-                policy.observe_round(key, d, min(d, 2))
-        rows = 64 + (sum(depths) if in_hand else 0)
-        policy.observe_step(rows, rows * 1e-4, 0.0, 0.0, asked, started_s=t, batch=64,
-                            verified=in_hand)
-        since = 0 if asked else since + 1
-        t += 0.080 if asked else 0.060 if since <= 8 else 0.020
-        before = (before[1], asked)
-        chosen.append(max(depths))
-    return chosen
+    """2 of 3 drafts accepted. Drafting steps 80 ms (~3 tokens a sequence: 2400 tokens/s);
+    plain steps 20 ms (3200 tokens/s), but 60 ms for the first 8 after a drafting step,
+    however short the flush (the drafter's backlog, the finished requests' prompts: at
+    c=64 on an idle box 80, 73, 57, 57, 48, 34, 37, 31 ms, then 17-26). No flush:
+    drafting steps cost the same right after plain."""
+    since = [99]
+
+    def step_s(asked: bool, _before: tuple[bool, bool]) -> float:
+        since[0] = 0 if asked else since[0] + 1
+        return 0.080 if asked else 0.060 if since[0] <= 8 else 0.020
+    return _simulate(steps, lambda d: min(d, 2), step_s)[0]
 
 
 def test_plain_is_measured_once_the_backlog_settled():
