@@ -159,15 +159,20 @@ def test_stop_string(pair) -> None:
         return "".join(f"<{i}>" for i in ids)
 
     needle = detok(free[4:6])
-    eng = engine(target, draft, detokenize=detok)
-    eng.add_request("s", ps[0], SamplingParams(temperature=0.0),
-                    StopConditions(max_tokens=20, stop_strings=(needle,)))
-    outs = []
-    while eng.has_work:
-        outs += eng.step()
+    outs = _run_with_stop_string(engine(target, draft, detokenize=detok), ps[0], 20, needle)
     tokens = [t for o in outs for t in o.new_tokens]
     assert tokens == free[:6]
     assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_string == needle
+
+
+def _run_with_stop_string(eng, prompt: list[int], max_tokens: int, needle: str) -> list:
+    """One greedy request stopped by `needle`, run to its end: every output it made."""
+    eng.add_request("s", prompt, SamplingParams(temperature=0.0),
+                    StopConditions(max_tokens=max_tokens, stop_strings=(needle,)))
+    outs = []
+    while eng.has_work:
+        outs += eng.step()
+    return outs
 
 
 def test_stop_string_at_the_first_token_reads_it_in_context(pair) -> None:
@@ -182,12 +187,7 @@ def test_stop_string_at_the_first_token_reads_it_in_context(pair) -> None:
         return "".join(f" w{i}" for i in ids).removeprefix(" ")
 
     needle = f" w{free[0]}"
-    eng = engine(target, draft, detokenize=detok)
-    eng.add_request("s", ps[0], SamplingParams(temperature=0.0),
-                    StopConditions(max_tokens=12, stop_strings=(needle,)))
-    outs = []
-    while eng.has_work:
-        outs += eng.step()
+    outs = _run_with_stop_string(engine(target, draft, detokenize=detok), ps[0], 12, needle)
     assert [t for o in outs for t in o.new_tokens] == free[:1]
     assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_string == needle
 
