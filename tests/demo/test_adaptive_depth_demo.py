@@ -28,7 +28,7 @@ class RandomDepth:
         self.rng = random.Random(seed)
         self.chosen: list[int] = []
 
-    def depths(self, keys, caps, other_rows=0):
+    def depths(self, keys, caps, other_rows=0, demand=0):
         out = [self.rng.randint(0, cap) for cap in caps]
         self.chosen += out
         return out
@@ -124,7 +124,7 @@ class PlainSpells(RandomDepth):
     def plain_steps(self) -> int:
         return int(self.start <= self.engine.steps < self.stop)
 
-    def depths(self, keys, caps, other_rows=0):
+    def depths(self, keys, caps, other_rows=0, demand=0):
         return [0] * len(caps) if self.plain_steps else list(caps)
 
 

@@ -20,6 +20,7 @@ from chainspec.engine.draft_types import DraftResult, DraftSampling, SeqUpdate, 
 from chainspec.engine.fingerprint import model_fingerprint
 from chainspec.rpc.channel import make_channel
 from chainspec.rpc.draft_codec import encode_draft_request, encode_update
+from chainspec.rpc.draft_pool import GrpcDraftClient
 from chainspec.rpc.drafter_service import DRAFTER_SERVICE, serve_drafter
 from chainspec.rpc.generated.v1 import drafter_pb2 as pb
 from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
@@ -323,6 +324,29 @@ class _GatedEngine:
     def update(self, updates):
         assert self.gate.wait(20)
         return self.engine.update(updates)
+
+
+def test_client_is_busy_while_a_batch_is_unanswered(loop, pair) -> None:
+    """Adaptive depth takes no plain sample while the drafter works (engine/adaptive_depth
+    `drafter_busy`): the client says so from sending a batch until its answer is in."""
+    engine = _GatedEngine(drafter_engine(pair[1], k=K))
+    engine.gate.set()  # warm-up passes
+    running = start_drafter(loop, engine)
+    client = GrpcDraftClient([running.address], round_deadline_s=10.0)
+    try:
+        assert client.wait_connected(20)
+        assert not client.busy()
+        engine.gate.clear()  # the drafter holds the next round
+        client.submit(script(1, 0, seed=3)[:1])
+        time.sleep(0.2)
+        assert client.busy()
+        engine.gate.set()
+        assert 1 in client.collect()
+        assert not client.busy()
+    finally:
+        engine.gate.set()
+        client.close()
+        loop.run(running.stop(0))
 
 
 def test_health_not_serving_until_warmed_up(loop, pair) -> None:

@@ -264,6 +264,33 @@ def test_drafting_policy_drafts_nothing_once_in_a_while():
     assert chosen == [3] * PROBE_PLAIN_AFTER + [0] * SPELL
 
 
+def _two_loads_measured() -> AdaptiveDepth:
+    """Measured at 2 sequences, where drafting leads (4 tokens in 5.5 ms against 2 ms a
+    token), and at 64, where plain does (4 tokens in 160 ms against 30 ms); the load's
+    running mean at 2, as after a light point."""
+    policy = _learned(batch=2, accepted=3)
+    for _ in range(GATE_MIN + 1):
+        policy.gate.add(2, True, 8, 5.5, verified=True)
+        policy.gate.add(2, False, 2, 2.0)
+        policy.gate.add(64, True, 320, 160.0, verified=True)
+        policy.gate.add(64, False, 64, 30.0)
+    policy.load = 2.0
+    return policy
+
+
+def test_demand_leads_the_load_mean_up():
+    # a closed loop's next point: 64 requests arrive at once, two of them decoding so far.
+    # The mean alone (at 2) drafts at the light load's verdict; the demand (running and
+    # waiting) puts the step at 64's, plain, from the first step
+    assert _two_loads_measured().depths([0, 1], [3, 3]) == [3, 3]
+    heavy = _two_loads_measured()
+    assert heavy.depths([0, 1], [3, 3], demand=64) == [0, 0]
+    assert heavy.load == 64.0
+    # and it falls slowly once the demand is gone (a wave's tail stays plain)
+    assert heavy.depths([0, 1], [3, 3], demand=2) == [0, 0]
+    assert heavy.load > 60
+
+
 def test_gate_buckets_are_octaves_around_powers_of_two():
     assert bucket(63) == bucket(64) == bucket(46) == bucket(90)
     assert bucket(45) != bucket(46) and bucket(1) != bucket(2)
@@ -390,6 +417,16 @@ def test_plain_steps_while_the_drafter_catches_up_are_no_samples():
     # no flush: all but the first SETTLE (the backlog's, however short the flush) and
     # the last (its time ends with the next step)
     assert _plain_samples_after_drafting(0.0) == 40 - SETTLE - 1
+
+
+def test_plain_steps_while_a_drafter_batch_is_unanswered_are_no_samples():
+    """3 drafting steps, then 40 plain ones: the drafter answers the last batch only
+    after the 30th (a flush of 64 sequences' held rows outlasts SETTLE many times)."""
+    policy = AdaptiveDepth(num_steps=3)
+    for i, asked in enumerate([True] * 3 + [False] * 40):
+        policy.observe_step(1, 0.05, 0.0, 0.0, asked, started_s=0.1 * i, batch=1,
+                            drafter_busy=3 <= i < 33)
+    assert policy.gate.count(1, False) == 40 - 30 - 1  # the last: its time ends later
 
 
 def _heavier_load_after_plain_won(forget: bool) -> list[int]:

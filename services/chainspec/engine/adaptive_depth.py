@@ -304,7 +304,7 @@ class AdaptiveDepth:
         return StepCost(fit[0] + overhead, fit[1], draft)
 
     def depths(self, keys: Sequence[Hashable], caps: Sequence[int],
-               other_rows: int = 0) -> list[int]:
+               other_rows: int = 0, demand: int = 0) -> list[int]:
         cost = self.cost()
         if cost is None:
             return list(caps)
@@ -314,7 +314,11 @@ class AdaptiveDepth:
         # batch swings (64 -> 21 as a wave of requests ends), and a choice per bucket
         # flipped with it, each flip paying a flush. NOTE: following a rise at once (and
         # a fall slowly) measured worse: 0.73 and 0.74 at c=16 and 32, against 0.87, 0.92
+        # NOTE: `demand` (the sequences running and waiting, to the most that run) leads
+        # it: a closed loop's 64 requests arrive in one step, and the mean, still at the
+        # last point's tail, drafted its first 5-25 steps at the lighter load's verdict
         self.load = n if self.load is None else LOAD_DECAY * self.load + (1 - LOAD_DECAY) * n
+        self.load = max(self.load, float(demand))
         load = max(1, round(self.load))
         measured = self.gate.measured(load)  # NOTE: the model's until then
         self._probe(load, measured is not None)
@@ -395,7 +399,8 @@ class AdaptiveDepth:
     def observe_step(self, rows: int, forward_s: float, overhead_s: float, draft_s: float,
                      asked: bool, prompt_rows: bool = False,
                      started_s: float | None = None, batch: int = 0,
-                     verified: bool = False, idle_after: bool = False) -> None:
+                     verified: bool = False, idle_after: bool = False,
+                     drafter_busy: bool = False) -> None:
         """A step ran `rows` rows in `forward_s`; `overhead_s`: its other work but the
         drafter's; `draft_s`: its time in the drafter client (the wait for drafts, and
         an in-process drafter's round); `asked`: it asked for drafts; `prompt_rows`: it
@@ -406,7 +411,8 @@ class AdaptiveDepth:
         the one that asked, so both steps' flags qualify a sample. `batch`, `verified`:
         its verify windows, whether it verified drafts (the gate's sample, with `rows`
         and `started_s`); `idle_after`: nothing was left to run after it, so the time to
-        the next step is idle, not its cost (no gate sample)."""
+        the next step is idle, not its cost (no gate sample); `drafter_busy`: a batch
+        sent to the drafter is unanswered (no plain sample)."""
         if rows > 0:
             self.forward.add(rows, forward_s)
         asked_before, prompt_before = self._last
@@ -435,8 +441,13 @@ class AdaptiveDepth:
             # idle box plain steps after drafting took 80, 73, 57, 57, 48, 34, 37, 31 ms,
             # then 17-26 (the drafter's backlog, the finished requests' prompts); a spell
             # measured plain at 48 ms, and the gate drafted where plain was fastest
+            # NOTE: nor while a drafter batch is unanswered: the first plain spell at c=64
+            # after drafting at c=1..4 ran while the drafter worked off 64 sequences' held
+            # rows (a second and more); its steps, 54 ms against a settled 19, were the
+            # gate's only plain samples there, drafting measured 1.5-2.5x ahead, and the
+            # stack drafted 188 of 221 steps where plain was 1.3x faster
             self._backlog = kind is False and (started_s - self._asked_s < 2 * self.flush_s
-                                               or self._since_asked <= SETTLE)
+                                               or self._since_asked <= SETTLE or drafter_busy)
             if self._backlog:
                 kind = None  # NOTE: the drafter still works off the last rounds: it takes
                 # the host's cores from plain steps (at c=64, +60 % on plain's median)

@@ -261,7 +261,8 @@ class VerifierEngine(DraftProtocol):
         if adaptive and verify:
             other = sum(w.num_rows for w in work if w.kind is not WorkKind.VERIFY)
             keys = [self.seq_ids[work[i].request.request_id] for i in verify]
-            caps = self.depth.depths(keys, caps, other)
+            demand = min(len(self.running) + len(self.waiting), self.config.max_seqs)
+            caps = self.depth.depths(keys, caps, other, demand)
         out = list(work)
         drafting = any(caps)  # NOTE: a round runs anyway: every sequence that may draft asks
         if adaptive:  # a new prompt asks for drafts only while others draft (or none run)
@@ -293,7 +294,8 @@ class VerifierEngine(DraftProtocol):
                                 any(u.want_drafts for u in updates),
                                 any(w.kind is WorkKind.PREFILL for w in work), started,
                                 len(verify), any(w.num_drafts for w, _ in verify),
-                                not self.waiting and all(r.finished for r in self.running))
+                                not self.waiting and all(r.finished for r in self.running),
+                                bool(getattr(self.drafter, "busy", bool)()))
 
     def _observe(self, started: float, drafts_ready: float, work, verdicts, outputs) -> None:
         if self.observer is None:

@@ -173,6 +173,12 @@ class GrpcDraftClient:
             return any(link.state is LinkState.LIVE and len(link.seqs) < link.capacity
                        for link in self._links.values())
 
+    def busy(self) -> bool:
+        """Whether a batch sent is still unanswered: a drafter works on it (a flush of
+        held rows, a round past its deadline), taking a shared host's cores."""
+        with self._cond:
+            return any(link.outstanding for link in self._open)
+
     def loads(self) -> dict[str, int]:
         """Sequences assigned per usable drafter."""
         with self._cond:
