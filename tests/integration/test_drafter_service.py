@@ -20,7 +20,7 @@ from chainspec.engine.draft_types import DraftResult, DraftSampling, SeqUpdate, 
 from chainspec.engine.fingerprint import model_fingerprint
 from chainspec.rpc.channel import make_channel
 from chainspec.rpc.draft_codec import encode_draft_request, encode_update
-from chainspec.rpc.draft_pool import GrpcDraftClient
+from chainspec.rpc.draft_pool import BUSY_HORIZON_S, GrpcDraftClient
 from chainspec.rpc.drafter_service import DRAFTER_SERVICE, serve_drafter
 from chainspec.rpc.generated.v1 import drafter_pb2 as pb
 from chainspec.rpc.generated.v1 import drafter_pb2_grpc as pb_grpc
@@ -338,10 +338,16 @@ def test_client_is_busy_while_a_batch_is_unanswered(loop, pair) -> None:
         assert not client.busy()
         engine.gate.clear()  # the drafter holds the next round
         client.submit(script(1, 0, seed=3)[:1])
-        time.sleep(0.2)
         assert client.busy()
         engine.gate.set()
         assert 1 in client.collect()
+        assert not client.busy()
+        engine.gate.clear()  # the next round waits too, past the horizon: a hung drafter
+        client.submit(script(1, 1, seed=3)[1:2])
+        assert client.busy()
+        for link in client._open:
+            link.outstanding = {b: (sent - BUSY_HORIZON_S - 1, wanted)
+                                for b, (sent, wanted) in link.outstanding.items()}
         assert not client.busy()
     finally:
         engine.gate.set()

@@ -295,7 +295,7 @@ class VerifierEngine(DraftProtocol):
                                 any(w.kind is WorkKind.PREFILL for w in work), started,
                                 len(verify), any(w.num_drafts for w, _ in verify),
                                 not self.waiting and all(r.finished for r in self.running),
-                                bool(getattr(self.drafter, "busy", bool)()))
+                                self._drafter_busy())
 
     def _observe(self, started: float, drafts_ready: float, work, verdicts, outputs) -> None:
         if self.observer is None:

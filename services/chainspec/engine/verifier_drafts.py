@@ -78,6 +78,13 @@ class DraftProtocol:
         accepting = getattr(self.drafter, "accepting", None)
         return accepting is None or accepting()
 
+    def _drafter_busy(self) -> bool:
+        """Whether the drafter still works on a batch sent to it (adaptive depth takes no
+        plain sample meanwhile). A client that cannot tell (`busy` absent: the in-process
+        one, which answers before `submit` returns) is never busy."""
+        busy = getattr(self.drafter, "busy", None)
+        return busy is not None and busy()
+
     def _resync_update(self, req: Request) -> SeqUpdate:
         """Rebuild the drafter's state: recompute h for the committed prefix (DESIGN 3.4)."""
         n = req.num_computed

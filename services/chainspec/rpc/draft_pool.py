@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 RECONNECT_BASE_S = 0.1  # first reconnect delay; doubles per failed try up to the max
 RECONNECT_MAX_S = 5.0
 STABLE_LINK_S = 5.0  # a stream that lived this long resets the backoff
+BUSY_HORIZON_S = 30.0  # a batch unanswered longer is lost, not worked on (`busy`)
 
 
 class GrpcDraftClient:
@@ -175,9 +176,13 @@ class GrpcDraftClient:
 
     def busy(self) -> bool:
         """Whether a batch sent is still unanswered: a drafter works on it (a flush of
-        held rows, a round past its deadline), taking a shared host's cores."""
+        held rows, a round past its deadline), taking a shared host's cores. NOTE: not
+        for good: one unanswered past BUSY_HORIZON_S is lost (a hung drafter), and
+        adaptive depth would never measure plain again."""
+        horizon = time.perf_counter() - BUSY_HORIZON_S
         with self._cond:
-            return any(link.outstanding for link in self._open)
+            return any(sent > horizon for link in self._open
+                       for sent, _ in link.outstanding.values())
 
     def loads(self) -> dict[str, int]:
         """Sequences assigned per usable drafter."""
