@@ -46,8 +46,9 @@ def draft_round_section(ctx: Context, budget: Budget) -> dict:
         paged = (BLOCK,) if PAGED else ()
         buffers = StaticDraftBuffers(max_seqs, K, cfg.hidden_size, max_len, *paged,
                                      ctx.device, ctx.dtype)
-        r = GraphRunner(lambda b: draft_round(model, cache, b, K, True, 4), buffers,
-                        default_buckets(max_seqs), use_graphs)
+        # NOTE: depths 1 and K captured, as the drafter captures 1..K (drafter-side depth)
+        r = GraphRunner(lambda b, d: draft_round(model, cache, b, d, True, 4), buffers,
+                        default_buckets(max_seqs), use_graphs, (1, K))
         r.capture()
         return r
 
@@ -56,11 +57,13 @@ def draft_round_section(ctx: Context, budget: Budget) -> dict:
     @torch.inference_mode()  # as the engines run their steps
     def measure(batch: int) -> dict:
         wins = _windows(batch, context, max_len, cfg.hidden_size, cfg.vocab_size)
-        same = torch.equal(graphs.run(wins).tokens, eager.run(wins).tokens)
+        same = torch.equal(graphs.run(wins).tokens, eager.run(wins).tokens) and \
+            torch.equal(graphs.run(wins, 1).tokens, eager.run(wins, 1).tokens)
         e = median_ms(lambda: eager.run(wins), ctx)
         g = median_ms(lambda: graphs.run(wins), ctx)
+        g1 = median_ms(lambda: graphs.run(wins, 1), ctx)  # a one-step round
         return {"batch": batch, "rows": batch * (K + 1), "eager_ms": e, "graph_ms": g,
-                "speedup": e / g, "same_drafts": same}
+                "graph_ms_depth1": g1, "speedup": e / g, "same_drafts": same}
 
     out = each_size(graphs.buckets, budget, measure)
     out.update(k=K, context=context, captured=bool(graphs.graphs), model="demo MTP",

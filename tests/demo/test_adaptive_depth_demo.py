@@ -20,24 +20,30 @@ STOP = StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 class RandomDepth:
-    """A stand-in policy choosing k uniformly in 0..cap: output must not depend on it."""
+    """A stand-in policy choosing k uniformly in 0..cap, and the drafter's depth for the
+    next round (`ask`, 0 = K) uniformly too: output must not depend on either."""
 
     plain_steps = 0  # new prompts ask for drafts
+    ask = 0
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, num_steps: int = 0) -> None:
         self.rng = random.Random(seed)
         self.chosen: list[int] = []
+        self.num_steps = num_steps
+        self.rounds: list[int] = []  # the draft steps each drafting step asked for
 
     def depths(self, keys, caps, other_rows=0, demand=0):
         out = [self.rng.randint(0, cap) for cap in caps]
         self.chosen += out
+        self.ask = self.rng.randint(0, self.num_steps)
         return out
 
     def observe_round(self, key, num_drafts, accepted):
         pass
 
     def observe_step(self, *args, **kwargs):
-        pass
+        if args[-1]:
+            self.rounds.append(args[-1])
 
     def forget(self, key):
         pass
@@ -75,10 +81,11 @@ def test_random_depths_equal_plain(demo_models, heldout_prompts, plain, batch):
     opts, models = demo_models
     opts = dataclasses.replace(opts, num_steps=3, speculative_depth="adaptive")
     eng = build_verifier(models, opts, True)
-    eng.depth = RandomDepth(batch)
+    eng.depth = RandomDepth(batch, opts.num_steps)
     tokens, completions = run(eng, heldout_prompts, batch)
     assert tokens == plain
     assert set(eng.depth.chosen) == {0, 1, 2, 3}  # every depth was at stake
+    assert set(eng.depth.rounds) == {1, 2, 3}  # and rounds of 1, 2 and 3 draft steps
     stats = merged_stats(completions, opts.num_steps)
     assert stats.accepted_tokens > 0.2 * stats.draft_tokens
 

@@ -38,7 +38,7 @@ def _windows(n: int, seed: int) -> list[Window]:
 
 def _runner(model, cache, use_graphs: bool) -> GraphRunner:
     buffers = StaticDraftBuffers(8, K, HIDDEN, MAX_LEN, BLOCK, CUDA, torch.float32)
-    runner = GraphRunner(lambda b: draft_round(model, cache, b, K, True, 4), buffers,
+    runner = GraphRunner(lambda b, d: draft_round(model, cache, b, d, True, 4), buffers,
                          default_buckets(8), use_graphs)
     runner.capture()
     return runner

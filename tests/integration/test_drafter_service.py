@@ -231,6 +231,27 @@ def test_sampled_drafts_match_in_process_engine(server, pair) -> None:
         stream.close()
 
 
+def test_the_depth_asked_over_the_wire_is_the_depth_answered(server, pair) -> None:
+    """Drafter-side depth over gRPC: an update's num_drafts reaches the served engine,
+    which answers with that many drafts, equal to an in-process engine's under the same
+    asks (sampled, so support and probs are cut to the depth too)."""
+    updates = script(GOOD, 6, seed=9, sampled=True)
+    asks = [0, 1, 2, 1, 1, K, 1]  # 0: K (the prompt)
+    updates = [SeqUpdate(u.seq_id, u.start, u.tokens, u.hidden, sampling=u.sampling,
+                         num_drafts=a) for u, a in zip(updates, asks, strict=True)]
+    ref = drafter_engine(copy.deepcopy(pair[1]), k=K, max_len=MAX_LEN)
+    stream = DraftStream(server.address)
+    try:
+        for step, u in enumerate(updates):
+            (got,) = stream.ask(request(step, u)).results
+            (want,) = ref.update([u])
+            assert len(got.drafts.tokens) == (asks[step] or K), f"step {step}"
+            assert list(got.drafts.tokens) == want.tokens.tolist(), f"step {step}"
+            assert list(got.drafts.support.shape) == [asks[step] or K, 4]
+    finally:
+        stream.close()
+
+
 # ------------------------------------------------------------------ stream rules
 
 

@@ -23,6 +23,7 @@ from chainspec.engine.adaptive_depth import (
     _LinearFit,
     bucket,
     choose_depths,
+    choose_round,
     expected_tokens,
 )
 
@@ -184,17 +185,60 @@ def _policy_with_rounds(clean_s: float, prompt_s: float, prompt_steps: int) -> A
     return policy
 
 
+def _rate(rates, depths, cost: StepCost) -> float:
+    rows = sum(1 + k for k in depths)
+    round_s = cost.round_s(max(depths)) if any(depths) else 0.0
+    tokens = sum(expected_tokens(r, k) for r, k in zip(rates, depths, strict=True))
+    return tokens / (cost.fixed_s + cost.per_row_s * rows + round_s)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_round_priced_by_its_depth_is_chosen_as_well_as_every_choice_allows(seed):
+    """Drafter-side depth: a round of D steps costs `draft_s + draft_step_s * D`. The
+    choice's tokens per second equals the best of every depth vector (brute force)."""
+    rng = random.Random(seed)
+    k, n = 4, rng.randint(1, 3)
+    rates = [[rng.uniform(0.05, 0.99) for _ in range(k)] for _ in range(n)]
+    caps = [rng.randint(0, k) for _ in range(n)]
+    cost = StepCost(rng.uniform(0.5, 5), rng.uniform(0.05, 1), rng.uniform(0, 2),
+                    rng.uniform(0, 1.5))
+    out = choose_round(rates, caps, cost)
+    assert all(0 <= d <= c for d, c in zip(out, caps, strict=True))
+    best = max(_rate(rates, list(v), cost)
+               for v in itertools.product(*[range(c + 1) for c in caps]))
+    assert _rate(rates, out, cost) == pytest.approx(best)
+
+
+def test_a_costly_draft_step_asks_the_drafter_for_fewer():
+    """Positions 3 and 4 are near coin flips: worth their rows, not a draft step each."""
+    rates = [[0.95, 0.9, 0.5, 0.4]] * 16
+    free = StepCost(10.0, 0.1, 1.0, 0.0)  # position 4 (0.17 tokens) is not worth its row
+    assert choose_round(rates, [4] * 16, free) == [3] * 16 == choose_depths(rates, [4] * 16, free)
+    costly = StepCost(10.0, 0.1, 1.0, 3.0)
+    assert choose_round(rates, [4] * 16, costly) == [2] * 16
+    policy = AdaptiveDepth(num_steps=4)
+    for step in range(40):  # 3 ms a draft step, at depth 4 and at depth 2 alike
+        depth = 4 if step % 2 else 2
+        policy.observe_step(16 + step % 3, 10.0, 0.0, 3.0 * depth, asked=True, depth=depth)
+    assert policy.cost().draft_step_s == pytest.approx(3.0)
+    for _ in range(20):
+        for key in range(16):
+            policy.observe_round(key, 4, 2)  # 2 of 4 accepted: positions 3, 4 rarely
+    out = policy.depths(list(range(16)), [4] * 16)
+    assert max(out) == policy.ask < 4
+
+
 def test_prompt_rows_do_not_price_drafting_out():
     # the first 20 rounds carried prompt rows (the drafter's work whatever the depth)
     policy = _policy_with_rounds(clean_s=0.3, prompt_s=50.0, prompt_steps=20)
     cost = policy.cost()
-    assert cost.draft_s == pytest.approx(0.3)
+    assert cost.round_s(3) == pytest.approx(0.3)
     assert cost.fixed_s == pytest.approx(policy.forward.coefficients()[0] + 0.5)
     for _ in range(10):
         policy.observe_round(0, 3, 3)
     assert policy.depths([0], [3]) == [3]
     # with every round carrying prompt rows, those are all there is to go by
-    assert _policy_with_rounds(0.3, 50.0, 40).cost().draft_s == pytest.approx(50.0)
+    assert _policy_with_rounds(0.3, 50.0, 40).cost().round_s(3) == pytest.approx(50.0)
 
 
 def test_plain_policy_asks_for_drafts_again_after_a_while():
@@ -244,7 +288,8 @@ def test_work_that_drafting_brings_is_a_cost_of_drafting():
     cost = policy.cost()
     a = policy.forward.coefficients()[0]
     assert cost.fixed_s == pytest.approx(a + 1.0)
-    assert cost.draft_s == pytest.approx(5.0 + 29.0)
+    assert cost.round_s(3) == pytest.approx(5.0 + 29.0)
+    assert cost.draft_s == pytest.approx(29.0)  # the round's own: 5 ms over 3 steps
 
 
 def test_drafting_policy_drafts_nothing_once_in_a_while():

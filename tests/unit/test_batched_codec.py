@@ -195,7 +195,7 @@ def test_response_with_a_bad_greedy_draft_fails_it_alone() -> None:
                      "SeqFailure"]
     assert back.results[2].code is ErrorCode.INVALID_ARGUMENT
     assert "results[2].drafts.tokens[1] = 100 is out of range" in back.results[2].message
-    assert "results[5].drafts.tokens: expected K = 3 drafts, got 4" in back.results[5].message
+    assert "results[5].drafts.tokens: expected 1..K = 3 drafts, got 4" in back.results[5].message
     assert torch.equal(back.results[0].tokens, torch.tensor([5, 6, 7]))
 
 

@@ -339,7 +339,7 @@ def test_early_look_ahead_on_a_hit_rides_in_its_exact_round(chain) -> None:
     seq.hidden = torch.cat([seq.hidden, rows])
     upd = _ahead(SeqUpdate(0, start, hit.outcome, rows), tuple(hit.drafts.tokens.tolist()))
     batches, run = [], engine._run
-    engine._run = lambda windows: batches.append(len(windows)) or run(windows)
+    engine._run = lambda windows, depth=None: batches.append(len(windows)) or run(windows, depth)
     (got,), (want,) = engine.update([upd]), twin.update([SeqUpdate(0, start, hit.outcome,
                                                                    rows)])
     assert len(batches) == 1 and batches[0] > 1, "one round: exact and look-ahead windows"
@@ -393,7 +393,7 @@ def test_a_hit_beside_a_miss_answers_first_and_looks_ahead_from_its_entry() -> N
     engine, twin, key, updates = _a_hit_beside_a_miss(k)
     chain = engine._chained[key].chain
     batches, run = [], engine._run
-    engine._run = lambda windows: batches.append(len(windows)) or run(windows)
+    engine._run = lambda windows, depth=None: batches.append(len(windows)) or run(windows, depth)
     got = engine.update(updates)
     want = twin.update([SeqUpdate(u.seq_id, u.start, u.tokens, u.hidden) for u in updates])
     assert batches == [2], "the exact windows alone"
@@ -424,7 +424,7 @@ def test_a_bonus_pass_entry_hit_looks_ahead_in_its_exact_round(chain) -> None:
     seq.tokens += list(hit.outcome)
     seq.hidden = torch.cat([seq.hidden, rows])
     batches, run = [], engine._run
-    engine._run = lambda windows: batches.append(len(windows)) or run(windows)
+    engine._run = lambda windows, depth=None: batches.append(len(windows)) or run(windows, depth)
     engine.update([_ahead(SeqUpdate(0, start, hit.outcome, rows), key[2])])
     assert len(batches) == 1 and batches[0] > 1, "one round: exact and look-ahead windows"
     early = engine.look_ahead_early(engine.pending_early())
@@ -450,7 +450,7 @@ def test_a_mixed_batch_splits_the_hits_after_the_answer_it_waits_for() -> None:
     assert engine.split_hits(updates) == ([1], [0])
     assert engine.split_hits(updates[:1]) == ([0], []), "all hits: one answer"
     batches, run = [], engine._run
-    engine._run = lambda windows: batches.append(len(windows)) or run(windows)
+    engine._run = lambda windows, depth=None: batches.append(len(windows)) or run(windows, depth)
     (got_miss,) = engine.update([updates[1]])
     pending = engine.pending_ahead()
     clock = engine.ahead_clock

@@ -45,6 +45,22 @@ def test_request_round_trip() -> None:
     assert back.updates[3].sampling.seed is None
 
 
+def test_the_depth_asked_travels_and_fewer_drafts_come_back() -> None:
+    """Drafter-side depth (DESIGN 4.11): num_drafts goes over the wire (0: K), and an
+    answer of 1..K drafts decodes, greedy and sampled."""
+    batch = UpdateBatch(2, (_update(1, num_drafts=2), _update(2), _update(3, num_drafts=K)))
+    back, _ = dc.decode_draft_request(_wire(dc.encode_draft_request(batch)), LIMITS)
+    assert [u.num_drafts for u in back.updates] == [2, 0, K]
+    short = DraftResult(1, 9, torch.tensor([4]))
+    sampled = _sampled(seq_id=2)
+    two = DraftResult(2, 12, sampled.tokens[:2], sampled.support[:2], sampled.probs[:2])
+    reply = dc.decode_draft_response(_wire(dc.encode_draft_response(
+        DraftReply(3, (short, DraftResult(3, 7, torch.tensor([1, 2, 3])), two)))), LIMITS)
+    got = [r.tokens.tolist() for r in reply.results]
+    assert got == [[4], [1, 2, 3], sampled.tokens[:2].tolist()]
+    assert torch.equal(reply.results[2].probs, two.probs)
+
+
 def test_request_hidden_wire_dtype() -> None:
     u = _update(n=4)
     msg = dc.encode_draft_request(UpdateBatch(1, (u,)), hidden_dtype="int8")
@@ -97,6 +113,7 @@ BAD_UPDATES = [
      "sampling.temperature"),
     ("top_k 0", lambda m: setattr(m.sampling, "top_k", 0), "sampling.top_k: sampled drafts"),
     ("top_k too big", lambda m: setattr(m.sampling, "top_k", 5), "1 <= top_k <= 4, got 5"),
+    ("depth past K", lambda m: setattr(m, "num_drafts", K + 1), "num_drafts: 4; at most K = 3"),
 ]
 
 
@@ -153,7 +170,9 @@ def _probs(rows) -> pb.chainspec_dot_v1_dot_tensor__pb2.Tensor:
 
 
 BAD_DRAFTS = [
-    ("too few drafts", lambda d: d.tokens.pop(), "expected K = 3 drafts, got 2"),
+    ("no drafts", lambda d: d.ClearField("tokens"), "expected 1..K = 3 drafts, got 0"),
+    ("fewer drafts than support rows", lambda d: d.tokens.pop(),
+     "support: expected shape [2, k], got [3, 2]"),
     ("draft out of vocab", lambda d: d.tokens.__setitem__(0, V), "tokens[0] = 100 is out of"),
     ("support without probs", lambda d: d.ClearField("probs"), "both be set or both be absent"),
     ("support shape", lambda d: d.support.CopyFrom(dc.encode_tensor(torch.zeros(2, 2).int())),

@@ -64,6 +64,65 @@ def test_incremental_drafts_equal_reference(k: int, modules: int, chain: bool) -
 
 
 @pytest.mark.parametrize("chain", [True, False])
+@pytest.mark.parametrize("k,modules,lag_rows", [(3, 3, 6), (4, 2, 8), (4, 4, 64)])
+def test_rounds_of_mixed_depth_equal_reference(k: int, modules: int, lag_rows: int,
+                                               chain: bool) -> None:
+    """Drafter-side depth (DESIGN 4.11): rounds of 1..K draft steps, chosen at random per
+    sequence, leave steps behind; every round's drafts still equal the from-scratch
+    reference's first D, D the deepest ask of the round (or K once a lag passes
+    `lag_rows`). A step that lagged and then ran must have caught up on the rows it
+    missed, or its drafts differ."""
+    rng = random.Random(k * 100 + lag_rows)
+    model = tiny_draft_model(modules, seed=modules + 1)
+    engine = DrafterEngine(model, DrafterConfig(num_steps=k, chain=chain, max_seqs=4,
+                                                max_len=512, max_graph_batch=4,
+                                                lag_rows=lag_rows))
+    seqs = {i: Committed(rng, rng.randint(1, 12)) for i in range(3)}
+    updates = [prefill(i, s) for i, s in seqs.items()]
+    depths = []
+    for r in range(40):
+        outcomes = engine.update(updates)
+        depth = len(outcomes[0].tokens)
+        depths.append(depth)
+        for seq_id, out in zip(seqs, outcomes, strict=True):
+            seq = seqs[seq_id]
+            expected, _ = reference_drafts(model, seq.tokens, seq.hidden, k, chain)
+            assert out.tokens.tolist() == expected[:depth], f"round {r}, seq {seq_id}"
+        asks = [1 if r % 10 < 7 else rng.randint(1, k) for _ in seqs]  # mostly shallow
+        updates = []
+        for (seq_id, seq), ask in zip(seqs.items(), asks, strict=True):
+            upd = seq.extend(rng, rng.randint(1, depth + 1))
+            updates.append(SeqUpdate(seq_id, upd.start, upd.tokens, upd.hidden,
+                                     num_drafts=ask))
+    assert depths[0] == k  # the prompts: every step writes its KV
+    assert 1 in depths and depths.count(k) > 1  # shallow rounds, and catch-ups
+    assert max(s.hist_hidden.shape[0] for s in engine.seqs.values()) <= lag_rows
+
+
+def test_a_round_runs_the_deepest_ask_and_a_lag_past_its_bound_asks_for_all() -> None:
+    k = 4
+    engine = DrafterEngine(tiny_draft_model(2, seed=3),
+                           DrafterConfig(num_steps=k, max_seqs=2, max_len=256, lag_rows=8))
+    rng = random.Random(3)
+    a, b = Committed(rng, 5), Committed(rng, 5)
+    engine.update([prefill(0, a), prefill(1, b)])
+    ua, ub = a.extend(rng, 2), b.extend(rng, 2)
+    out = engine.update([SeqUpdate(0, ua.start, ua.tokens, ua.hidden, num_drafts=1),
+                         SeqUpdate(1, ub.start, ub.tokens, ub.hidden, num_drafts=2)])
+    assert [len(o.tokens) for o in out] == [2, 2]
+    # steps 3 and 4 lag by these two rows: the history holds K-1 + 2 of them
+    assert engine.seqs[0].valid[2:] == [5 - 3, 5 - 4]
+    assert engine.seqs[0].hist_hidden.shape[0] == k - 1 + 2
+    depths = []
+    for _ in range(4):  # 2 rows a round: the full-depth window passes 8 rows in round 2
+        ua = a.extend(rng, 2)
+        out = engine.update([SeqUpdate(0, ua.start, ua.tokens, ua.hidden, num_drafts=1)])
+        depths.append(len(out[0].tokens))
+    assert depths == [1, k, 1, 1]
+    assert engine.seqs[0].hist_hidden.shape[0] == k - 1 + 4
+
+
+@pytest.mark.parametrize("chain", [True, False])
 def test_resync_and_chunked_prefill_match_reference(chain: bool) -> None:
     rng = random.Random(7)
     model = tiny_draft_model(3, seed=3)

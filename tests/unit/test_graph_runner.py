@@ -59,7 +59,7 @@ def test_static_path_equals_compact_eager_path(num_seqs: int, sampled: bool) -> 
                           K, True, TOP_K)
     buffers = StaticDraftBuffers(8, K, HIDDEN, MAX_LEN, BLOCK, torch.device("cpu"),
                                  torch.float32)
-    runner = GraphRunner(lambda b: draft_round(model, cache_b, b, K, True, TOP_K), buffers,
+    runner = GraphRunner(lambda b, d: draft_round(model, cache_b, b, d, True, TOP_K), buffers,
                          default_buckets(8), use_graphs=False)
     out = runner.run(wins)
     assert runner.dispatch(num_seqs).batch_size >= num_seqs
@@ -78,7 +78,7 @@ def test_padding_rows_write_no_kv() -> None:
     wins = windows(3, random.Random(3))
     buffers = StaticDraftBuffers(8, K, HIDDEN, MAX_LEN, BLOCK, torch.device("cpu"),
                                  torch.float32)
-    runner = GraphRunner(lambda b: draft_round(model, cache, b, K, True, TOP_K), buffers,
+    runner = GraphRunner(lambda b, d: draft_round(model, cache, b, d, True, TOP_K), buffers,
                          [8], use_graphs=False)  # 3 real sequences padded to 8
     runner.run(wins)
     written = torch.zeros(NUM_BLOCKS, BLOCK, dtype=torch.bool)
@@ -96,7 +96,7 @@ def test_outputs_survive_the_next_round() -> None:
     cache = fresh_cache(model)
     buffers = StaticDraftBuffers(4, K, HIDDEN, MAX_LEN, BLOCK, torch.device("cpu"),
                                  torch.float32)
-    runner = GraphRunner(lambda b: draft_round(model, cache, b, K, True, TOP_K), buffers,
+    runner = GraphRunner(lambda b, d: draft_round(model, cache, b, d, True, TOP_K), buffers,
                          [4], use_graphs=False)
     first = runner.run(windows(2, random.Random(1)))
     kept = first.tokens.clone()

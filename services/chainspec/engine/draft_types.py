@@ -75,8 +75,13 @@ class SeqUpdate:
     # sequence the drafter does not hold carries the keys of every block below `start`
     # (the prefix the verifier read from its cache), which the drafter reads from its own.
     cache_keys: tuple[tuple[int, bytes], ...] = ()
+    # Drafter-side depth (DESIGN 4.11): at most this many drafts are wanted from the
+    # round (0: K). The round runs as many draft steps as its deepest update asks.
+    num_drafts: int = 0
 
     def __post_init__(self) -> None:
+        if self.num_drafts < 0:
+            raise ValueError(f"update of seq {self.seq_id}: num_drafts {self.num_drafts} < 0")
         n, shape = len(self.tokens), self.hidden.shape
         if len(shape) != 2 or shape[0] != n or n == 0:
             raise ValueError(f"update of seq {self.seq_id}: {n} tokens need hidden [n >= 1, H],"
@@ -101,7 +106,8 @@ class SeqUpdate:
 
 @dataclass(frozen=True)
 class DraftResult:
-    """K drafts following bonus position `position`; support/probs only when sampled."""
+    """1..K drafts following bonus position `position` (K unless the update asked for
+    fewer, `SeqUpdate.num_drafts`); support/probs only when sampled."""
 
     seq_id: int
     position: int

@@ -3,13 +3,21 @@
 Per sequence it keeps a block table into a paged KV cache (one KV layer per draft step)
 and the last K-1 committed rows (h_p, x[p+1]). Each update's window starts with those
 history rows, so every KV entry that survives a round was computed from committed tokens only.
+
+Drafter-side depth (DESIGN 4.11): a round runs D <= K draft steps, the most its updates
+ask for (`SeqUpdate.num_drafts`). Steps above D write no KV that round, so each sequence
+keeps, per step k, the last position whose step-k KV was computed from committed inputs
+(`valid`), and the committed rows from the lowest of them on (`hist_*`). A round of depth
+D starts each window just past step D's valid position: those rows are recomputed by
+every step that runs, in order, so a lagging step catches up within the round that runs
+it. A sequence whose lag would pass `lag_rows` asks for all K steps (one wide round).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -57,6 +65,9 @@ class DrafterConfig:
     # None: the corrections and the second round as far as they fit in the verifier's
     # step (lookahead.AheadClock); True / False: always / never a second round
     ahead_second_round: bool | None = None
+    # drafter-side depth: committed rows a lagging step may fall behind before its
+    # sequence asks for a full-depth round (the catch-up window's size, at most)
+    lag_rows: int = 64
     kv: KVBudget = field(default_factory=KVBudget)  # paged KV cache size
 
     def __post_init__(self) -> None:
@@ -66,16 +77,27 @@ class DrafterConfig:
             raise ValueError("max_seqs must be >= 1 and max_len > 2K")
         if self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.lag_rows < 2 * self.num_steps:
+            raise ValueError(f"lag_rows must be >= 2K = {2 * self.num_steps}, "
+                             f"got {self.lag_rows}")
 
 
 class _SeqState:
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, num_steps: int, valid_to: int = -1) -> None:
         self.blocks = BlockTable()
         self.seed = seed
         self.next_start = 0  # the `start` the next update must carry
-        self.hist_hidden: torch.Tensor | None = None  # [m, H]: h of the last m rows
+        # valid[k-1]: the last position whose step-k KV came from committed inputs only
+        self.valid = [valid_to] * num_steps
+        self.hist_hidden: torch.Tensor | None = None  # [m, H]: h of rows valid[K-1]+1 ..
         self.hist_tokens: torch.Tensor | None = None  # [m]: x[p+1] of those rows
         self.verifying = 0  # drafts the verifier checks now (a look-ahead asked for)
+        self.pending_keys: list[tuple[int, bytes]] = []  # cache keys of blocks not final yet
+
+    def reset(self) -> None:
+        self.next_start, self.hist_hidden, self.hist_tokens = 0, None, None
+        self.valid = [-1] * len(self.valid)
+        self.pending_keys = []
 
 
 class DrafterEngine(DraftAheadRounds):
@@ -116,14 +138,15 @@ class DrafterEngine(DraftAheadRounds):
         buffers = StaticDraftBuffers(graph_batch, c.num_steps, self.hidden_size, c.max_len,
                                      c.kv.block_size, self.device, self.dtype)
         self.runner = GraphRunner(self._round, buffers, default_buckets(graph_batch),
-                                  c.use_graphs)
+                                  c.use_graphs, range(1, c.num_steps + 1))
         self.runner.capture()
+        self.depth = c.num_steps  # draft steps of the round now running (_run)
 
-    def _round(self, batch) -> DraftOutput:
+    def _round(self, batch, depth: int | None = None) -> DraftOutput:
         c = self.config
         # NOTE: _clock is None while capturing (in __init__): a graph records no marks
-        return draft_round(self.model, self.cache, batch, c.num_steps, c.chain, c.top_k,
-                           self._clock)
+        return draft_round(self.model, self.cache, batch, depth or c.num_steps, c.chain,
+                           c.top_k, self._clock)
 
     @property
     def load(self) -> int:
@@ -162,15 +185,16 @@ class DrafterEngine(DraftAheadRounds):
                 continue
             seen.add(upd.seq_id)
             accepted.append((i, upd, window))
-        windows = [w for _, _, w in accepted]
+        depth = self._round_depth(accepted)
+        windows = [self._at_depth(u, w, depth) for _, u, w in accepted]
         self._clock = StepClock(self.device) if self.observer is not None else None
         eager_reason = None
         self._ahead = []
         if accepted:
             out, eager_reason, hits, merged = self._run_with_early(
-                [u for _, u, _ in accepted], windows, rest_of or [])
+                [u for _, u, _ in accepted], windows, rest_of or [], depth)
             for row, (i, upd, window) in enumerate(accepted):
-                self._commit(upd, window)
+                self._commit(upd, window, depth)
                 outcomes[i] = self._result(upd, out, row)
                 if upd.seq_id in hits:  # a hit: its look-ahead starts from the entry's chain
                     self.seqs[upd.seq_id].verifying = len(upd.verifying)
@@ -185,6 +209,28 @@ class DrafterEngine(DraftAheadRounds):
         if self.observer is not None:
             self._observe(started, windows, eager_reason, outcomes)
         return outcomes  # type: ignore[return-value]
+
+    def _round_depth(self, accepted: list[tuple[int, SeqUpdate, Window]]) -> int:
+        """Draft steps this round runs: the most any update asks for. An update that asks
+        for no drafts (a prompt's chunk), asks for a look-ahead (built on all K), or whose
+        full-depth window would pass `lag_rows` (a step lagging too far) asks for K."""
+        K, most = self.config.num_steps, 1
+        for _, upd, window in accepted:
+            full = not upd.want_drafts or upd.look_ahead or \
+                window.num_rows > self.config.lag_rows
+            most = max(most, K if full else min(upd.num_drafts or K, K))
+        return most
+
+    def _at_depth(self, upd: SeqUpdate, window: Window, depth: int) -> Window:
+        """`window` (from the lowest row any step lacks) cut to the rows a round of
+        `depth` steps must recompute: past step `depth`'s last valid position (the
+        steps below it are valid at least as far)."""
+        first = max(window.first_pos, self.seqs[upd.seq_id].valid[depth - 1] + 1)
+        if first == window.first_pos:
+            return window
+        cut = first - window.first_pos
+        return replace(window, first_pos=first, hidden=window.hidden[cut:],
+                       tokens=window.tokens[cut:])
 
     def _observe(self, started: float, windows: list[Window], eager_reason: str | None,
                  outcomes: list[SeqOutcome]) -> None:
@@ -235,10 +281,10 @@ class DrafterEngine(DraftAheadRounds):
                                     f"drafter is full ({self.config.max_seqs} sequences)")
         if upd.start == 0:  # a new sequence, or a resync from scratch
             if state is None:
-                state = _SeqState(_signed64(upd.sampling.seed))
+                state = _SeqState(_signed64(upd.sampling.seed), self.config.num_steps)
                 self.seqs[upd.seq_id] = state
             state.blocks.release(self.allocator)  # NOTE: some may be shared: write fresh ones
-            state.next_start, state.hist_hidden, state.hist_tokens = 0, None, None
+            state.reset()
         elif opens and self._restore(upd):  # a prefix the verifier read from its cache
             state = self.seqs[upd.seq_id]
         elif state is None or upd.start != state.next_start:
@@ -279,7 +325,7 @@ class DrafterEngine(DraftAheadRounds):
         cache.record(upd.start, upd.start if hit else 0)
         if not hit:
             return False
-        state = _SeqState(_signed64(upd.sampling.seed))
+        state = _SeqState(_signed64(upd.sampling.seed), self.config.num_steps, upd.start - 1)
         state.blocks.adopt(self.allocator, blocks)
         state.next_start = upd.start
         self.seqs[upd.seq_id] = state
@@ -287,39 +333,53 @@ class DrafterEngine(DraftAheadRounds):
 
     def _cache_final(self, upd: SeqUpdate, state: _SeqState) -> None:
         """Cache the blocks `upd` names whose KV is final: every position p in them has
-        p <= next_start - K, so no later window rewrites it (DESIGN 3.2)."""
+        p <= valid[K-1] (next_start - K after a full-depth round), so no later window
+        rewrites it (DESIGN 3.2). Blocks a lagging step has not reached wait for it."""
         cache, bs = self.allocator.cache, self.allocator.block_size
         if cache is None:
             return
-        for end, key in upd.cache_keys:
-            if end % bs == 0 and end <= state.next_start - self.config.num_steps + 1 and \
-                    end // bs <= len(state.blocks):
+        final = state.valid[-1] + 1  # every step's KV below it is final
+        keys, state.pending_keys = state.pending_keys + list(upd.cache_keys), []
+        for end, key in keys:
+            if end % bs or end // bs > len(state.blocks):
+                continue
+            if end <= final:
                 cache.insert(key, state.blocks.blocks[end // bs - 1])
+            else:
+                state.pending_keys.append((end, key))
 
-    def _run(self, windows: list[Window]) -> tuple[DraftOutput, str | None]:
-        """The round's drafts, and why it ran eagerly (None: a CUDA graph replayed)."""
+    def _run(self, windows: list[Window], depth: int | None = None
+             ) -> tuple[DraftOutput, str | None]:
+        """The round's drafts (`depth` steps, default K), and why it ran eagerly (None: a
+        CUDA graph replayed)."""
         if self.runner.fits(windows):
             replays = self.runner.replays
-            out = self.runner.run(windows)
+            out = self.runner.run(windows, depth)
             return out, None if self.runner.replays > replays else "no_graph"
         self.runner.eager_runs += 1
         reason = "batch_too_large" if len(windows) > self.runner.max_batch \
             else "window_too_large"
         return self._round(build_compact(windows, self.config.num_steps,
                                          self.config.kv.block_size, self.device,
-                                         self.dtype)), reason
+                                         self.dtype), depth), reason
 
-    def _commit(self, upd: SeqUpdate, window: Window) -> None:
-        """Keep the last K-1 committed rows as the next window's history."""
+    def _commit(self, upd: SeqUpdate, window: Window, depth: int) -> None:
+        """Record which steps' KV is now committed-only (the `depth` that ran), and keep
+        the committed rows from the lowest position a step lacks as the next window's
+        history: the last K-1 after a full-depth round."""
         state = self.seqs[upd.seq_id]
-        keep = self.config.num_steps - 1
         if state.verifying and upd.start == state.next_start > 0:  # a verdict on them
             self.accept_rates.record(state.verifying, len(upd.tokens) - 1)
         state.verifying = 0
-        state.next_start = upd.start + len(upd.tokens)
+        state.next_start = end = upd.start + len(upd.tokens)
+        for k in range(1, depth + 1):  # step k's row p read x[p+k]: committed for p <= N'-k
+            state.valid[k - 1] = max(state.valid[k - 1], end - k)
         self._cache_final(upd, state)
-        if keep == 0:
+        keep = end - max(0, state.valid[-1] + 1)
+        if keep <= 0:
+            state.hist_hidden = state.hist_tokens = None
             return
+        assert keep <= window.num_rows, "history runs below the window"
         state.hist_hidden = window.hidden[-keep:].clone()
         state.hist_tokens = window.tokens[-keep:].clone()
 

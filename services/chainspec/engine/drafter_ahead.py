@@ -228,7 +228,7 @@ class DraftAheadRounds:
         return src
 
     def _run_with_early(self, updates: list[SeqUpdate], windows: list[Window],
-                        rest_of: list[AheadSource]
+                        rest_of: list[AheadSource], depth: int | None = None
                         ) -> tuple[DraftOutput, str | None, dict[int, AheadSource], bool]:
         """The exact round over `windows` (of `updates`). When every update that asks for
         a look-ahead is a hit, their first look-ahead round runs in the same batch (rows
@@ -238,7 +238,8 @@ class DraftAheadRounds:
         windows write the real blocks at rows from their first row on; a scratch window
         of the same sequence starts at that same row and reads only below it (a block
         copied before the round): they never meet. Returns the output, why it ran
-        eagerly, the hits' sources by sequence, and whether their first round ran."""
+        eagerly, the hits' sources by sequence, and whether their first round ran. `depth`:
+        the exact round's draft steps (K whenever a look-ahead is asked for)."""
         self._first = None
         asking = sum(u.look_ahead and u.want_drafts for u in updates)
         todo = [] if self.cache.has_states or self.config.num_steps < 2 else \
@@ -258,7 +259,7 @@ class DraftAheadRounds:
         finally:
             self._early = {}
         self._ahead += rest_of  # NOTE: did not ride: they run after this answer
-        return *self._run(windows), hits, False
+        return *self._run(windows, depth), hits, False
 
     @torch.inference_mode()
     def draft_hypotheses(self, hyps: list[Hypothesis]) -> list[DraftAhead]:

@@ -6,7 +6,8 @@ fills all of it, padding rows and padding sequences included (slot -1 and row_se
 they write no KV and read none). Each bucket is a prefix view of the buffers, so a graph
 captured for bucket b keeps reading the same memory; attention reads each sequence's
 keys only up to its rows' positions, so a replay costs what the real lengths cost, not
-`max_len`. On CUDA the round is captured per bucket and replayed; elsewhere the same view
+`max_len`. On CUDA the round is captured per bucket and per depth (the draft steps a
+round runs, 1..K: DESIGN 4.11's drafter-side depth) and replayed; elsewhere the same view
 runs eagerly. Both call `draft_round`.
 """
 
@@ -38,6 +39,7 @@ def default_buckets(max_seqs: int) -> list[int]:
 @dataclass(frozen=True)
 class GraphKey:
     batch_size: int
+    depth: int = 0  # draft steps the round runs (drafter-side depth); 0: not a draft round
 
 
 class StaticDraftBuffers:
@@ -99,11 +101,13 @@ class StaticDraftBuffers:
 class GraphRunner:
     """Three verbs: capture (per bucket, CUDA only), dispatch (pick a bucket), run."""
 
-    def __init__(self, step_fn: Callable[[DraftBatch], DraftOutput],
-                 buffers: StaticDraftBuffers, buckets: Sequence[int], use_graphs: bool) -> None:
-        self.step_fn = step_fn
+    def __init__(self, step_fn: Callable[[DraftBatch, int], DraftOutput],
+                 buffers: StaticDraftBuffers, buckets: Sequence[int], use_graphs: bool,
+                 depths: Sequence[int] | None = None) -> None:
+        self.step_fn = step_fn  # (batch, depth): a round of `depth` draft steps
         self.buffers = buffers
         self.buckets = sorted(buckets)
+        self.depths = sorted(depths or [buffers.num_steps])
         self.use_graphs = use_graphs and torch.cuda.is_available()
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, DraftOutput]] = {}
         self.replays = 0
@@ -117,8 +121,9 @@ class GraphRunner:
         return (len(windows) <= self.max_batch
                 and all(w.num_rows <= self.buffers.rows_per_seq for w in windows))
 
-    def dispatch(self, num_seqs: int) -> GraphKey:
-        return GraphKey(next(b for b in self.buckets if b >= num_seqs))
+    def dispatch(self, num_seqs: int, depth: int | None = None) -> GraphKey:
+        return GraphKey(next(b for b in self.buckets if b >= num_seqs),
+                        self.depths[-1] if depth is None else depth)
 
     def capture(self) -> None:
         """Capture every bucket, largest first, in one shared memory pool (CUDA only).
@@ -129,23 +134,25 @@ class GraphRunner:
             return
         pool = None
         for size in reversed(self.buckets):
-            key = GraphKey(size)
-            self.buffers.prepare([], size)
-            batch = self.buffers.view(size)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.step_fn(batch)  # warm-up outside the graph
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.step_fn(batch)
-            pool = graph.pool()
-            self.graphs[key] = (graph, out)
+            for depth in reversed(self.depths):
+                key = GraphKey(size, depth)
+                self.buffers.prepare([], size)
+                batch = self.buffers.view(size)
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self.step_fn(batch, depth)  # warm-up outside the graph
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.step_fn(batch, depth)
+                pool = graph.pool()
+                self.graphs[key] = (graph, out)
 
-    def run(self, windows: Sequence[Window]) -> DraftOutput:
-        """Prepare the buffers, replay (or run eagerly), and copy the outputs out."""
-        key = self.dispatch(len(windows))
+    def run(self, windows: Sequence[Window], depth: int | None = None) -> DraftOutput:
+        """Prepare the buffers, replay (or run eagerly) a round of `depth` draft steps
+        (default: all), and copy the outputs out."""
+        key = self.dispatch(len(windows), depth)
         self.buffers.prepare(windows, key.batch_size)
         captured = self.graphs.get(key)
         if captured is not None:
@@ -153,7 +160,8 @@ class GraphRunner:
             graph.replay()
             self.replays += 1
         else:
-            out = self.step_fn(self.buffers.view(key.batch_size, any_sampled(windows)))
+            out = self.step_fn(self.buffers.view(key.batch_size, any_sampled(windows)),
+                               key.depth)
             self.eager_runs += 1
         n = len(windows)
         # NOTE: copy out before the next replay overwrites the graph's output tensors.

@@ -295,7 +295,9 @@ class VerifierEngine(DraftProtocol):
                                 any(w.kind is WorkKind.PREFILL for w in work), started,
                                 len(verify), any(w.num_drafts for w, _ in verify),
                                 not self.waiting and all(r.finished for r in self.running),
-                                self._drafter_busy())
+                                self._drafter_busy(),
+                                max((u.num_drafts or self.config.num_steps for u in updates
+                                     if u.want_drafts), default=0))
 
     def _observe(self, started: float, drafts_ready: float, work, verdicts, outputs) -> None:
         if self.observer is None:

@@ -160,7 +160,16 @@ class DraftProtocol:
         return SeqUpdate(self.seq_ids[req.request_id], start, tokens, hidden,
                          want_drafts=wants, sampling=self._draft_sampling(req),
                          look_ahead=ahead, verifying=verifying,
-                         cache_keys=self._draft_keys(req, start, item.start + rows, opens))
+                         cache_keys=self._draft_keys(req, start, item.start + rows, opens),
+                         num_drafts=0 if ahead else self._depth_asked(req))
+
+    def _depth_asked(self, req: Request) -> int:
+        """Drafter-side depth (4.11): the draft steps the next round needs for `req`, 0
+        for all K: its cap, and under adaptive depth the policy's `ask`. NOTE: the round
+        runs its deepest update's steps; look-aheads (4.8) always ask for K."""
+        k = self.config.num_steps
+        ask = min(self.depth.ask or k if self.depth is not None else k, req.max_drafts)
+        return 0 if ask >= k else max(1, ask)
 
     def _hold(self, req: Request, start: int, tokens: tuple[int, ...], hidden: torch.Tensor,
               wants: bool) -> tuple[int, tuple[int, ...], torch.Tensor] | None:

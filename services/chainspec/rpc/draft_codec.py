@@ -89,6 +89,8 @@ def _fill_update(out: pb.SequenceUpdate, u: SeqUpdate) -> None:
     if u.want_drafts and u.look_ahead:
         out.look_ahead = True
         out.verifying.extend(u.verifying)
+    if u.want_drafts and u.num_drafts:
+        out.num_drafts = u.num_drafts
     for end, key in u.cache_keys:
         out.cache_key_ends.append(end)
         out.cache_keys.append(key)
@@ -157,8 +159,12 @@ def _check_update(msg: pb.SequenceUpdate, limits: DraftLimits, name: str
     sampling = GREEDY
     if msg.want_drafts and msg.HasField("sampling"):
         sampling = decode_sampling(msg.sampling, limits, f"{name}.sampling")
+    if msg.want_drafts and msg.num_drafts > limits.num_draft_tokens:
+        raise invalid(f"{name}.num_drafts: {msg.num_drafts}; at most K = "
+                      f"{limits.num_draft_tokens} (0: K)")
+    depth = {"num_drafts": msg.num_drafts} if msg.want_drafts and msg.num_drafts else {}
     return tuple(tokens), wire, data, sampling, {**_look_ahead(msg, limits, name),
-                                                 **_cache_keys(msg, name)}
+                                                 **_cache_keys(msg, name), **depth}
 
 
 def _cache_keys(msg: pb.SequenceUpdate, name: str) -> dict:
@@ -316,13 +322,15 @@ def _check_support(tokens: torch.Tensor, support: torch.Tensor, probs: torch.Ten
 
 def decode_drafts(msg: pb.Drafts, limits: DraftLimits, name: str = "drafts",
                   count: int | None = None) -> DraftResult:
-    """Validate one sequence's drafts (K of them, or `count`); raises
-    WireError(INVALID_ARGUMENT) naming the field."""
-    K = limits.num_draft_tokens if count is None else count
+    """Validate one sequence's drafts (1..K of them: fewer when the update asked for
+    fewer, or exactly `count`); raises WireError(INVALID_ARGUMENT) naming the field."""
     ids = check_tokens(msg.tokens, limits.vocab_size, name=f"{name}.tokens")
-    if len(ids) != K:
-        what = f"K = {K}" if count is None else f"{K}"
-        raise invalid(f"{name}.tokens: expected {what} drafts, got {len(ids)}")
+    if count is None and not 1 <= len(ids) <= limits.num_draft_tokens:
+        raise invalid(f"{name}.tokens: expected 1..K = {limits.num_draft_tokens} drafts, "
+                      f"got {len(ids)}")
+    if count is not None and len(ids) != count:
+        raise invalid(f"{name}.tokens: expected {count} drafts, got {len(ids)}")
+    K = len(ids)
     tokens = torch.tensor(ids, dtype=torch.int64)  # [K]
     if msg.HasField("support") != msg.HasField("probs"):
         raise invalid(f"{name}: support and probs must both be set or both be absent")
@@ -395,7 +403,8 @@ def decode_draft_response(msg: pb.DraftResponse, limits: DraftLimits) -> DraftRe
             results.append(decode_error(r.error))
         elif kind == "drafts":
             d = r.drafts
-            if len(d.tokens) == K and not d.HasField("support") and not d.HasField("probs"):
+            if 1 <= len(d.tokens) <= K and not d.HasField("support") and \
+                    not d.HasField("probs"):
                 greedy.append((len(results), j, d))
                 ids.extend(d.tokens)
                 results.append(None)
@@ -404,8 +413,11 @@ def decode_draft_response(msg: pb.DraftResponse, limits: DraftLimits) -> DraftRe
     if greedy and max(ids) < limits.vocab_size:
         # NOTE: one torch op per sequence, not tensor + view + unbind: in a cold process
         # each distinct torch op costs tens of microseconds the first time (measured)
-        for r, (i, _, d) in enumerate(greedy):
-            tokens = torch.tensor(ids[r * K:(r + 1) * K], dtype=torch.int64)  # [K]
+        at = 0
+        for i, _, d in greedy:
+            n = len(d.tokens)  # K, or fewer when the update asked for fewer
+            tokens = torch.tensor(ids[at:at + n], dtype=torch.int64)  # [n]
+            at += n
             results[i] = DraftResult(d.seq_id, d.position, tokens, None, None, d.draft_time_s)
     else:  # a token out of range (or none): one by one, naming the culprit
         for i, j, d in greedy:

@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 from chainspec.rpc.generated.v1 import tensor_pb2 as chainspec_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63hainspec/v1/drafter.proto\x12\x0c\x63hainspec.v1\x1a\x19\x63hainspec/v1/tensor.proto\"O\n\rDraftSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xfc\x01\n\x0eSequenceUpdate\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12$\n\x06hidden\x18\x04 \x01(\x0b\x32\x14.chainspec.v1.Tensor\x12\x13\n\x0bwant_drafts\x18\x05 \x01(\x08\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.chainspec.v1.DraftSampling\x12\x12\n\nlook_ahead\x18\x07 \x01(\x08\x12\x11\n\tverifying\x18\x08 \x03(\r\x12\x16\n\x0e\x63\x61\x63he_key_ends\x18\t \x03(\r\x12\x12\n\ncache_keys\x18\n \x03(\x0c\"a\n\x0c\x44raftRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12-\n\x07updates\x18\x02 \x03(\x0b\x32\x1c.chainspec.v1.SequenceUpdate\x12\x10\n\x08releases\x18\x03 \x03(\x04\"\x9c\x01\n\x06\x44rafts\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12%\n\x07support\x18\x04 \x01(\x0b\x32\x14.chainspec.v1.Tensor\x12#\n\x05probs\x18\x05 \x01(\x0b\x32\x14.chainspec.v1.Tensor\x12\x14\n\x0c\x64raft_time_s\x18\x06 \x01(\x02\"\x87\x01\n\rSequenceError\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12%\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x17.chainspec.v1.ErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x1b\n\x0e\x65xpected_start\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_expected_start\"q\n\x0eSequenceResult\x12&\n\x06\x64rafts\x18\x01 \x01(\x0b\x32\x14.chainspec.v1.DraftsH\x00\x12,\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1b.chainspec.v1.SequenceErrorH\x00\x42\t\n\x07outcome\"`\n\tLookAhead\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x62\x61se\x18\x02 \x01(\r\x12\x0f\n\x07outcome\x18\x03 \x03(\r\x12$\n\x06\x64rafts\x18\x04 \x01(\x0b\x32\x14.chainspec.v1.Drafts\"\x8c\x01\n\rDraftResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12-\n\x07results\x18\x02 \x03(\x0b\x32\x1c.chainspec.v1.SequenceResult\x12&\n\x05\x61head\x18\x03 \x03(\x0b\x32\x17.chainspec.v1.LookAhead\x12\x12\n\nlook_ahead\x18\x04 \x01(\x08\"\x14\n\x12\x44rafterInfoRequest\"\x97\x02\n\x0b\x44rafterInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1b\n\x13weights_fingerprint\x18\x02 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x17\n\x0fnum_mtp_modules\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\r\n\x05\x63hain\x18\x08 \x01(\x08\x12\x10\n\x08\x63\x61pacity\x18\t \x01(\r\x12\x0c\n\x04load\x18\n \x01(\r\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x11\n\tmax_top_k\x18\x0c \x01(\r\x12\x19\n\x11max_message_bytes\x18\r \x01(\x04*\xab\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x03\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x08\x12\"\n\x1e\x45RROR_CODE_FAILED_PRECONDITION\x10\t\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x0e\x32\x94\x01\n\x07\x44rafter\x12\x44\n\x05\x44raft\x12\x1a.chainspec.v1.DraftRequest\x1a\x1b.chainspec.v1.DraftResponse(\x01\x30\x01\x12\x43\n\x04Info\x12 .chainspec.v1.DrafterInfoRequest\x1a\x19.chainspec.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63hainspec/v1/drafter.proto\x12\x0c\x63hainspec.v1\x1a\x19\x63hainspec/v1/tensor.proto\"O\n\rDraftSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x90\x02\n\x0eSequenceUpdate\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12$\n\x06hidden\x18\x04 \x01(\x0b\x32\x14.chainspec.v1.Tensor\x12\x13\n\x0bwant_drafts\x18\x05 \x01(\x08\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.chainspec.v1.DraftSampling\x12\x12\n\nlook_ahead\x18\x07 \x01(\x08\x12\x11\n\tverifying\x18\x08 \x03(\r\x12\x16\n\x0e\x63\x61\x63he_key_ends\x18\t \x03(\r\x12\x12\n\ncache_keys\x18\n \x03(\x0c\x12\x12\n\nnum_drafts\x18\x0b \x01(\r\"a\n\x0c\x44raftRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12-\n\x07updates\x18\x02 \x03(\x0b\x32\x1c.chainspec.v1.SequenceUpdate\x12\x10\n\x08releases\x18\x03 \x03(\x04\"\x9c\x01\n\x06\x44rafts\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08position\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12%\n\x07support\x18\x04 \x01(\x0b\x32\x14.chainspec.v1.Tensor\x12#\n\x05probs\x18\x05 \x01(\x0b\x32\x14.chainspec.v1.Tensor\x12\x14\n\x0c\x64raft_time_s\x18\x06 \x01(\x02\"\x87\x01\n\rSequenceError\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12%\n\x04\x63ode\x18\x02 \x01(\x0e\x32\x17.chainspec.v1.ErrorCode\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x1b\n\x0e\x65xpected_start\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x11\n\x0f_expected_start\"q\n\x0eSequenceResult\x12&\n\x06\x64rafts\x18\x01 \x01(\x0b\x32\x14.chainspec.v1.DraftsH\x00\x12,\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1b.chainspec.v1.SequenceErrorH\x00\x42\t\n\x07outcome\"`\n\tLookAhead\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x62\x61se\x18\x02 \x01(\r\x12\x0f\n\x07outcome\x18\x03 \x03(\r\x12$\n\x06\x64rafts\x18\x04 \x01(\x0b\x32\x14.chainspec.v1.Drafts\"\x8c\x01\n\rDraftResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12-\n\x07results\x18\x02 \x03(\x0b\x32\x1c.chainspec.v1.SequenceResult\x12&\n\x05\x61head\x18\x03 \x03(\x0b\x32\x17.chainspec.v1.LookAhead\x12\x12\n\nlook_ahead\x18\x04 \x01(\x08\"\x14\n\x12\x44rafterInfoRequest\"\x97\x02\n\x0b\x44rafterInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1b\n\x13weights_fingerprint\x18\x02 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x17\n\x0fnum_mtp_modules\x18\x04 \x01(\r\x12\x13\n\x0bhidden_size\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\r\n\x05\x63hain\x18\x08 \x01(\x08\x12\x10\n\x08\x63\x61pacity\x18\t \x01(\r\x12\x0c\n\x04load\x18\n \x01(\r\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x11\n\tmax_top_k\x18\x0c \x01(\r\x12\x19\n\x11max_message_bytes\x18\r \x01(\x04*\xab\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x03\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x08\x12\"\n\x1e\x45RROR_CODE_FAILED_PRECONDITION\x10\t\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x0e\x32\x94\x01\n\x07\x44rafter\x12\x44\n\x05\x44raft\x12\x1a.chainspec.v1.DraftRequest\x1a\x1b.chainspec.v1.DraftResponse(\x01\x30\x01\x12\x43\n\x04Info\x12 .chainspec.v1.DrafterInfoRequest\x1a\x19.chainspec.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'chainspec.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORCODE']._serialized_start=1464
-  _globals['_ERRORCODE']._serialized_end=1635
+  _globals['_ERRORCODE']._serialized_start=1484
+  _globals['_ERRORCODE']._serialized_end=1655
   _globals['_DRAFTSAMPLING']._serialized_start=71
   _globals['_DRAFTSAMPLING']._serialized_end=150
   _globals['_SEQUENCEUPDATE']._serialized_start=153
-  _globals['_SEQUENCEUPDATE']._serialized_end=405
-  _globals['_DRAFTREQUEST']._serialized_start=407
-  _globals['_DRAFTREQUEST']._serialized_end=504
-  _globals['_DRAFTS']._serialized_start=507
-  _globals['_DRAFTS']._serialized_end=663
-  _globals['_SEQUENCEERROR']._serialized_start=666
-  _globals['_SEQUENCEERROR']._serialized_end=801
-  _globals['_SEQUENCERESULT']._serialized_start=803
-  _globals['_SEQUENCERESULT']._serialized_end=916
-  _globals['_LOOKAHEAD']._serialized_start=918
-  _globals['_LOOKAHEAD']._serialized_end=1014
-  _globals['_DRAFTRESPONSE']._serialized_start=1017
-  _globals['_DRAFTRESPONSE']._serialized_end=1157
-  _globals['_DRAFTERINFOREQUEST']._serialized_start=1159
-  _globals['_DRAFTERINFOREQUEST']._serialized_end=1179
-  _globals['_DRAFTERINFO']._serialized_start=1182
-  _globals['_DRAFTERINFO']._serialized_end=1461
-  _globals['_DRAFTER']._serialized_start=1638
-  _globals['_DRAFTER']._serialized_end=1786
+  _globals['_SEQUENCEUPDATE']._serialized_end=425
+  _globals['_DRAFTREQUEST']._serialized_start=427
+  _globals['_DRAFTREQUEST']._serialized_end=524
+  _globals['_DRAFTS']._serialized_start=527
+  _globals['_DRAFTS']._serialized_end=683
+  _globals['_SEQUENCEERROR']._serialized_start=686
+  _globals['_SEQUENCEERROR']._serialized_end=821
+  _globals['_SEQUENCERESULT']._serialized_start=823
+  _globals['_SEQUENCERESULT']._serialized_end=936
+  _globals['_LOOKAHEAD']._serialized_start=938
+  _globals['_LOOKAHEAD']._serialized_end=1034
+  _globals['_DRAFTRESPONSE']._serialized_start=1037
+  _globals['_DRAFTRESPONSE']._serialized_end=1177
+  _globals['_DRAFTERINFOREQUEST']._serialized_start=1179
+  _globals['_DRAFTERINFOREQUEST']._serialized_end=1199
+  _globals['_DRAFTERINFO']._serialized_start=1202
+  _globals['_DRAFTERINFO']._serialized_end=1481
+  _globals['_DRAFTER']._serialized_start=1658
+  _globals['_DRAFTER']._serialized_end=1806
 # @@protoc_insertion_point(module_scope)

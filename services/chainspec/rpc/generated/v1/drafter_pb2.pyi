@@ -32,7 +32,7 @@ class DraftSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("seq_id", "start", "tokens", "hidden", "want_drafts", "sampling", "look_ahead", "verifying", "cache_key_ends", "cache_keys")
+    __slots__ = ("seq_id", "start", "tokens", "hidden", "want_drafts", "sampling", "look_ahead", "verifying", "cache_key_ends", "cache_keys", "num_drafts")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class SequenceUpdate(_message.Message):
     VERIFYING_FIELD_NUMBER: _ClassVar[int]
     CACHE_KEY_ENDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -53,7 +54,8 @@ class SequenceUpdate(_message.Message):
     verifying: _containers.RepeatedScalarFieldContainer[int]
     cache_key_ends: _containers.RepeatedScalarFieldContainer[int]
     cache_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_drafts: _Optional[bool] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., look_ahead: _Optional[bool] = ..., verifying: _Optional[_Iterable[int]] = ..., cache_key_ends: _Optional[_Iterable[int]] = ..., cache_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    num_drafts: int
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., want_drafts: _Optional[bool] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., look_ahead: _Optional[bool] = ..., verifying: _Optional[_Iterable[int]] = ..., cache_key_ends: _Optional[_Iterable[int]] = ..., cache_keys: _Optional[_Iterable[bytes]] = ..., num_drafts: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("batch_id", "updates", "releases")
