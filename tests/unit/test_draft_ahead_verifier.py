@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from chainspec.engine.request import StopConditions
+from chainspec.engine.sampling import SamplingParams
 from tests.unit.engine_fixtures import engine, outputs, prompts, tied_pair
 
 
@@ -33,3 +35,35 @@ def test_greedy_output_equals_plain_with_draft_ahead(pair, plain, batch, k, chai
         assert eng.ahead_hits == eng.ahead_misses == 0
     else:
         assert eng.ahead_hits + eng.ahead_misses > 0
+
+
+class AskingClient:
+    """A draft client that records every update's depth ask, then passes it on."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.asks = inner, []
+
+    def submit(self, updates) -> None:
+        self.asks += [u.num_drafts for u in updates]
+        self.inner.submit(updates)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("draft_ahead", [False, True])
+def test_draft_ahead_always_asks_for_every_draft_step(pair, plain, draft_ahead) -> None:
+    """Drafter-side depth (4.11) would leave steps behind that a look-ahead's hypotheses
+    build on: with draft-ahead on, every update (the prompt's last chunk too: it has a
+    verdict) asks for K (0), even when the request's cap is fewer; without it, the cap
+    is asked for."""
+    target, draft = pair
+    k = 3
+    eng = engine(target, draft, k=k, draft_ahead=draft_ahead)
+    eng.drafter = client = AskingClient(eng.drafter)
+    for i, prompt in enumerate(prompts(3, seed=3)):
+        eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0),
+                        StopConditions(max_tokens=24), num_speculative_tokens=1)
+    while eng.has_work:
+        eng.step()
+    assert client.asks and set(client.asks) == ({0} if draft_ahead else {1})
