@@ -85,6 +85,34 @@ def test_cuda_drafts_equal_reference(chain: bool) -> None:
     assert eng.runner.replays > 0
 
 
+@pytest.mark.parametrize("chain", [True, False])
+def test_cuda_rounds_of_mixed_depth_replay_and_equal_reference(chain: bool) -> None:
+    """Drafter-side depth on CUDA: graphs captured per depth replay rounds of 1..K steps,
+    and every round's drafts equal the reference's first D (lagging steps caught up)."""
+    model = tiny_draft_model(2).to(CUDA)
+    eng = DrafterEngine(model, DrafterConfig(num_steps=K, chain=chain, max_seqs=4,
+                                             max_len=128, max_graph_batch=4))
+    assert {key.depth for key in eng.runner.graphs} == set(range(1, K + 1))
+    rng = random.Random(1)
+    tokens = [rng.randrange(61) for _ in range(9)]
+    hidden = torch.randn(8, HIDDEN)
+    out = eng.update([SeqUpdate(0, 0, tuple(tokens[1:]), hidden)])[0]
+    cpu_model = tiny_draft_model(2)
+    replays = eng.runner.replays
+    for r in range(12):
+        expected, _ = reference_drafts(cpu_model, tokens, hidden, K, chain)
+        assert out.tokens.tolist() == expected[:len(out.tokens)], f"round {r}"
+        n = rng.randint(1, len(out.tokens) + 1)
+        start = len(tokens) - 1
+        new, rows = [rng.randrange(61) for _ in range(n)], torch.randn(n, HIDDEN)
+        tokens += new
+        hidden = torch.cat([hidden, rows])
+        ask = 1 if r % 4 else K
+        out = eng.update([SeqUpdate(0, start, tuple(new), rows, num_drafts=ask)])[0]
+        assert len(out.tokens) == ask
+    assert eng.runner.replays > replays
+
+
 def test_lossless_on_cuda() -> None:
     target, draft = tied_pair()
     target, draft = target.to(CUDA), draft.to(CUDA)
