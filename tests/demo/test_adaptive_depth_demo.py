@@ -5,7 +5,6 @@ depths 0..K forced on every round -- and a request's cap is honoured."""
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 
@@ -13,40 +12,11 @@ from chainspec.engine.local import build_verifier
 from chainspec.engine.request import StopConditions
 from chainspec.engine.runner import merged_stats, run_to_completion
 from chainspec.engine.sampling import SamplingParams
+from tests.unit.engine_fixtures import RandomDepth
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0)
 STOP = StopConditions(max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-class RandomDepth:
-    """A stand-in policy choosing k uniformly in 0..cap, and the drafter's depth for the
-    next round (`ask`, 0 = K) uniformly too: output must not depend on either."""
-
-    plain_steps = 0  # new prompts ask for drafts
-    ask = 0
-
-    def __init__(self, seed: int, num_steps: int = 0) -> None:
-        self.rng = random.Random(seed)
-        self.chosen: list[int] = []
-        self.num_steps = num_steps
-        self.rounds: list[int] = []  # the draft steps each drafting step asked for
-
-    def depths(self, keys, caps, other_rows=0, demand=0):
-        out = [self.rng.randint(0, cap) for cap in caps]
-        self.chosen += out
-        self.ask = self.rng.randint(0, self.num_steps)
-        return out
-
-    def observe_round(self, key, num_drafts, accepted):
-        pass
-
-    def observe_step(self, *args, **kwargs):
-        if args[-1]:
-            self.rounds.append(args[-1])
-
-    def forget(self, key):
-        pass
 
 
 def run(eng, prompts, batch):

@@ -22,7 +22,7 @@ from chainspec.engine.request import FinishReason, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.rpc.draft_pool import DrafterMatch, GrpcDraftClient, LinkState
 from tests.integration.grpc_helpers import drafter_engine, start_drafter, wait_until
-from tests.unit.engine_fixtures import engine, outputs, prompts
+from tests.unit.engine_fixtures import RandomDepth, engine, outputs, prompts
 
 pytestmark = pytest.mark.timeout(120)
 K, MAX_TOKENS = 3, 24
@@ -57,9 +57,13 @@ def drafters(loop, models):
         loop.run(srv.stop(0))
 
 
-def _run(target, client, ps, batch_size: int, draft_ahead: bool = False):
+def _run(target, client, ps, batch_size: int, draft_ahead: bool = False,
+         depth_seed: int | None = None):
+    """`depth_seed`: a RandomDepth policy (random verified depths and drafter asks)."""
     got, stats = [], []
     eng = engine(target, client=client, k=K, draft_ahead=draft_ahead)
+    if depth_seed is not None:
+        eng.depth = RandomDepth(depth_seed, K)
     for i in range(0, len(ps), batch_size):
         out, result = outputs(eng, ps[i:i + batch_size], MAX_TOKENS)
         got += out
@@ -101,21 +105,28 @@ class Driver:
         assert set(self.finished.values()) == {FinishReason.LENGTH}
 
 
-@pytest.mark.parametrize("batch_size", [1, 8])
-@pytest.mark.parametrize("num_drafters", [1, 2])
+@pytest.mark.parametrize("batch_size,num_drafters,depth_seed",
+                         [(1, 1, None), (8, 1, None), (1, 2, None), (8, 2, None),
+                          (8, 1, 5), (8, 2, 6)])
 def test_equals_plain_and_the_in_process_drafter(models, batch, plain, drafters,
-                                                 num_drafters, batch_size) -> None:
+                                                 num_drafters, batch_size,
+                                                 depth_seed) -> None:
+    """`depth_seed`: random verified depths and drafter-side depths (4.11), the same
+    choices on both sides, so the remote drafter's rounds of 1..K steps must give the
+    in-process drafter's drafts."""
     target, draft = models
     ps = batch if batch_size > 1 else batch[:3]
     local = LocalDraftClient(drafter_engine(copy.deepcopy(draft), k=K))
-    want, want_stats, _ = _run(target, local, ps, batch_size)
+    want, want_stats, local_eng = _run(target, local, ps, batch_size, depth_seed=depth_seed)
     servers = drafters(num_drafters)
     client = GrpcDraftClient([s.address for s in servers], round_deadline_s=PATIENT,
                              match=DrafterMatch(K, 32, target.config.vocab_size))
     try:
-        got, stats, _ = _run(target, client, ps, batch_size)
+        got, stats, eng = _run(target, client, ps, batch_size, depth_seed=depth_seed)
     finally:
         client.close()
+    if depth_seed is not None:
+        assert set(eng.depth.rounds) == {1, 2, 3} and eng.depth.rounds == local_eng.depth.rounds
     assert got == want == plain[:len(ps)]
     assert stats == want_stats, "the same drafts as the in-process drafter, round by round"
     assert sum(s[1] for s in stats) > 0
@@ -233,10 +244,12 @@ def _spawn_drafter(model_dir) -> tuple[subprocess.Popen, str]:
     return proc, line.split()[-1]
 
 
-@pytest.mark.parametrize("groups,draft_ahead", [(1, False), (2, False), (1, True)])
+@pytest.mark.parametrize("groups,draft_ahead,depth_seed",
+                         [(1, False, None), (2, False, None), (1, True, None), (1, False, 7)])
 def test_drafter_killed_mid_run(models, model_dir, batch, plain, drafters, groups,
-                                draft_ahead) -> None:
-    """SIGKILL one drafter process (also during pipelined rounds, and with draft-ahead):
+                                draft_ahead, depth_seed) -> None:
+    """SIGKILL one drafter process (also during pipelined rounds, with draft-ahead, and
+    under random verified and drafter-side depths, steps left lagging when it dies):
     every request completes with plain's output, and the lost drafter's sequences resync
     onto the survivor."""
     proc, victim = _spawn_drafter(model_dir)
@@ -245,6 +258,8 @@ def test_drafter_killed_mid_run(models, model_dir, batch, plain, drafters, group
         client = GrpcDraftClient([victim, survivor.address], round_deadline_s=PATIENT)
         drive = Driver(engine(models[0], client=client, k=K, groups=groups,
                               draft_ahead=draft_ahead))
+        if depth_seed is not None:
+            drive.eng.depth = RandomDepth(depth_seed, K)
         ids = drive.add(batch, "r")
         drive.step_until(lambda: sum(client.loads().values()) == 8)
         drive.step(2)
@@ -263,6 +278,7 @@ def test_drafter_killed_mid_run(models, model_dir, batch, plain, drafters, group
         proc.kill()
         proc.wait(10)
     assert [drive.tokens[i] for i in ids] == plain
+    assert depth_seed is None or {1, 2} <= set(drive.eng.depth.rounds)
     assert drive.eng.resyncs >= 1
     assert client.stats.stream_failures == 1
     assert 1 <= client.stats.reassignments <= on_victim  # moved to the survivor
