@@ -43,7 +43,7 @@ from tests.acceptance_audit import assert_acceptance_matches, engine_acceptance
 from tests.integration.family_models import FAMILIES, declared_mtp, mtp_layout, write_family
 from tests.integration.grpc_helpers import start_drafter
 from tests.integration.tiny_checkpoint import CORPUS
-from tests.unit.engine_fixtures import engine, outputs
+from tests.unit.engine_fixtures import RandomDepth, engine, outputs
 
 pytestmark = pytest.mark.timeout(300)
 K, MAX_NEW, BLOCK, CHUNK = 3, 24, 4, 5
@@ -146,6 +146,13 @@ def test_trained_speculative_equals_plain(trained, family):
             stats += result.completions
         merged = merged_stats(stats, k)
         assert merged.accepted_per_pos[min(k, 2) - 1] > 0, (k, merged)  # drafts kept
+    # drafter-side depth (4.11): random verified depths and rounds of 1..4 draft steps,
+    # steps left lagging and caught up, in the family's own MTP blocks and caches
+    eng = verifier(target, draft, 4)
+    eng.depth = RandomDepth(len(family), 4)
+    got, _ = outputs(eng, every, MAX_NEW)
+    assert got == plain
+    assert {1, 4} <= set(eng.depth.rounds)
 
 
 def test_train_mtp_runs_non_chained_steps_as_the_drafter_drafts(native):
