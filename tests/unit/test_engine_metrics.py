@@ -94,9 +94,26 @@ def test_verifier_counters_agree_with_the_requests(models):
     assert value(dm, "chainspec_drafter_graph_replays_total") == 0
     for step in range(1, K + 1):
         assert value(dm, "chainspec_drafter_step_seconds_count", step=str(step)) == rounds
+    assert value(dm, "chainspec_drafter_round_depth_total", depth=str(K)) == rounds
     assert value(dm, "chainspec_drafter_window_rows_sum") >= value(
         dm, "chainspec_drafter_window_rows_count") == value(dm, "chainspec_drafter_batch_size_sum")
     assert value(dm, "chainspec_drafter_sequences") == 0
+
+
+def test_drafter_counts_rounds_by_the_draft_steps_they_ran(models):
+    """Drafter-side depth (4.11): a round of D steps counts under depth D, and times D
+    steps; the prompt's round runs all K."""
+    dm = DrafterMetrics("tiny", K)
+    eng = DrafterEngine(models.draft, DrafterConfig(num_steps=K, max_seqs=2, max_len=256),
+                        observer=dm)
+    h = models.draft.config.hidden_size
+    eng.update([SeqUpdate(0, 0, (1, 2, 3), torch.randn(3, h))])
+    for i, ask in enumerate((1, 2, 1)):
+        eng.update([SeqUpdate(0, 3 + 2 * i, (4, 5), torch.randn(2, h), num_drafts=ask)])
+    assert [value(dm, "chainspec_drafter_round_depth_total", depth=str(d))
+            for d in range(1, K + 1)] == [2, 1, 1]
+    assert [value(dm, "chainspec_drafter_step_seconds_count", step=str(k))
+            for k in range(1, K + 1)] == [4, 2, 1]
 
 
 class _NoDrafts:

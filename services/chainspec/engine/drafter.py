@@ -207,7 +207,7 @@ class DrafterEngine(DraftAheadRounds):
                 self.ahead_clock.exact_done(time.perf_counter() - started)
             self.ahead_clock.answered(time.perf_counter(), hit=not self._ahead)
         if self.observer is not None:
-            self._observe(started, windows, eager_reason, outcomes)
+            self._observe(started, windows, eager_reason, outcomes, depth)
         return outcomes  # type: ignore[return-value]
 
     def _round_depth(self, accepted: list[tuple[int, SeqUpdate, Window]]) -> int:
@@ -233,7 +233,7 @@ class DrafterEngine(DraftAheadRounds):
                        tokens=window.tokens[cut:])
 
     def _observe(self, started: float, windows: list[Window], eager_reason: str | None,
-                 outcomes: list[SeqOutcome]) -> None:
+                 outcomes: list[SeqOutcome], depth: int) -> None:
         refused = sum(isinstance(o, SeqFailure) and o.code == ErrorCode.FAILED_PRECONDITION
                       for o in outcomes)
         cache = self.allocator.cache
@@ -241,7 +241,8 @@ class DrafterEngine(DraftAheadRounds):
         self.observer.update_done(DraftRoundRecord(
             time.perf_counter() - started, [w.num_rows for w in windows],
             bool(windows) and eager_reason is None, eager_reason, self._clock.durations(),
-            refused, queried - self._observed_prefix[0], hit - self._observed_prefix[1]))
+            refused, queried - self._observed_prefix[0], hit - self._observed_prefix[1],
+            depth if windows else 0))
         self._observed_prefix = (queried, hit)
         self._observe_occupancy()
 

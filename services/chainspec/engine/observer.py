@@ -57,6 +57,7 @@ class DraftRoundRecord:
     out_of_sync: int  # updates refused FAILED_PRECONDITION (the verifier resyncs them)
     prefix_queried: int = 0  # prefix positions new sequences asked to read from the cache
     prefix_hit: int = 0  # of them, read from it (their MTP KV not recomputed)
+    depth: int = 0  # draft steps the round ran (drafter-side depth, 4.11); 0: no round
 
 
 class DrafterObserver(Protocol):

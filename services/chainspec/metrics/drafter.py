@@ -1,5 +1,6 @@
-"""The drafter's metrics: round and per-step times, window and batch shapes, graph
-replays vs eager runs, sequences held, KV usage and out-of-sync refusals.
+"""The drafter's metrics: round and per-step times, the draft steps each round ran,
+window and batch shapes, graph replays vs eager runs, sequences held, KV usage and
+out-of-sync refusals.
 
 `DrafterMetrics` is the `DrafterEngine`'s observer (`engine/observer.py`); it records into
 a `Recorder` (one lock per update).
@@ -30,6 +31,10 @@ class DrafterMetrics(GrpcServiceMetrics):
                                          COUNTS).child()
         self.batch_size = rec.histogram("chainspec_drafter_batch_size",
                                         "Sequences drafted in one round", COUNTS).child()
+        depth = rec.counter("chainspec_drafter_round_depth", "Draft rounds by the draft "
+                            "steps they ran (the deepest depth their updates asked for)",
+                            "depth")
+        self.depth = {d: depth.child(str(d)) for d in range(1, num_steps + 1)}
         self.replays = rec.counter("chainspec_drafter_graph_replays",
                                    "Rounds run by replaying a CUDA graph").child()
         eager = rec.counter("chainspec_drafter_eager_runs", "Rounds run eagerly, by why no "
@@ -58,6 +63,8 @@ class DrafterMetrics(GrpcServiceMetrics):
             if not update.window_rows:
                 return  # every update failed: no round ran
             self.round_s.observe(update.round_s)
+            if update.depth in self.depth:
+                self.depth[update.depth].value += 1
             self.batch_size.observe(len(update.window_rows))
             for rows in update.window_rows:
                 self.window_rows.observe(rows)
