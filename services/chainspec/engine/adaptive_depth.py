@@ -7,8 +7,9 @@ Two estimates feed the choice, both measured online, neither tuned by the user:
 - the step's cost: `fixed_s + per_row_s * rows` for the forward (a verify window is k + 1
   rows, a plain decode row 1) plus the step's other work, and `draft_s`, the draft round
   as the verifier sees it (its wait for drafts and the drafter work it does itself,
-  timed directly), paid when any sequence drafts. A step where none drafts runs no
-  draft round (verifier_drafts.py holds the rows back).
+  timed directly), paid when any sequence drafts, priced per draft step it runs (the
+  drafter runs only the steps the deepest sequence needs: `choose_round`). A step where
+  none drafts runs no draft round (verifier_drafts.py holds the rows back).
 
 Three guards keep the estimates honest under load: the draft round's cost is a rolling
 median of rounds with no prompt rows in them (a prompt's rows are the drafter's to take
@@ -500,10 +501,10 @@ class AdaptiveDepth:
             self._open = (started_s, forward_s + overhead_s + draft_s, max(0.0, overhead_s),
                           asked, sample, verified, idle_after)
         if asked or asked_before:
-            sample = (draft_s, depth or self.num_steps)
-            self.rounds.append(sample)
+            timed = (draft_s, depth or self.num_steps)
+            self.rounds.append(timed)
             if not (prompt_rows or prompt_before):
-                self.clean_rounds.append(sample)
+                self.clean_rounds.append(timed)
         self._last, self._asked_earlier = (asked, prompt_rows), asked_before
 
     def _overheads(self, asked: bool) -> deque:

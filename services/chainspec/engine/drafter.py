@@ -140,7 +140,6 @@ class DrafterEngine(DraftAheadRounds):
         self.runner = GraphRunner(self._round, buffers, default_buckets(graph_batch),
                                   c.use_graphs, range(1, c.num_steps + 1))
         self.runner.capture()
-        self.depth = c.num_steps  # draft steps of the round now running (_run)
 
     def _round(self, batch, depth: int | None = None) -> DraftOutput:
         c = self.config
