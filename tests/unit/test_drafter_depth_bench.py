@@ -1,14 +1,11 @@
 """benchmarks/drafter_depth.py on a tiny drafter: every depth is timed for its rounds, a
 lag past the bound is counted as a catch-up, and the table reads the figures back."""
 
-import torch
-
 from benchmarks.drafter_depth import markdown, measure
 from tests.unit.tiny_models import tiny_draft_model
 
 
 def test_every_depth_timed_and_catch_ups_counted():
-    torch.set_grad_enabled(False)
     # 40 rounds of 2 rows: a lagging step passes lag_rows (64) once per run of rounds
     row = measure(tiny_draft_model(2, seed=1), k=2, batch=2, rounds=40, repeats=1)
     assert row["rounds"] == {1: 40, 2: 40}
