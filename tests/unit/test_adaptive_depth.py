@@ -19,13 +19,10 @@ from chainspec.engine.adaptive_depth import (
     AdaptiveDepth,
     Measured,
     PositionCounts,
-    StepCost,
     _LinearFit,
     bucket,
-    choose_depths,
-    choose_round,
-    expected_tokens,
 )
+from chainspec.engine.depth_choice import StepCost, choose_depths, choose_round, expected_tokens
 
 MS = StepCost(fixed_s=1.0, per_row_s=1.0)
 

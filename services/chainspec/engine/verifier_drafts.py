@@ -168,7 +168,8 @@ class DraftProtocol:
         for all K: its cap, and under adaptive depth the policy's `ask`. NOTE: the round
         runs its deepest update's steps; look-aheads (4.8) always ask for K."""
         k = self.config.num_steps
-        ask = min(self.depth.ask or k if self.depth is not None else k, req.max_drafts)
+        policy = self.depth.ask if self.depth is not None else 0
+        ask = min(policy or k, req.max_drafts)
         return 0 if ask >= k else max(1, ask)
 
     def _hold(self, req: Request, start: int, tokens: tuple[int, ...], hidden: torch.Tensor,
