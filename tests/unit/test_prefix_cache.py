@@ -175,6 +175,71 @@ def test_a_second_request_prefills_only_what_is_not_cached(pair):
     assert eng.allocator.cache.queries == 43 + 45
 
 
+def test_a_repeated_prompt_keeps_its_last_block_with_a_drafter(pair):
+    """A drafter block's MTP KV reads the K tokens after it. Where the prompt itself holds
+    them, and they are the tokens that followed the cached block before, the drafter has
+    the block under that key: the hit is as long as without a drafter, and the drafter
+    reads it all from its cache (no resync). Drafts equal those without caching."""
+    target, draft = pair
+    k = 3
+    prompt = list(range(1, 44))  # 43 tokens: 10 blocks before the last row, 3 after them
+    got = {}
+    for caching in (False, True):
+        eng = engine(target, draft, k=k, max_seqs=1, kv=_kv(200, caching),
+                     drafter_kv=_kv(200, caching))
+        eng.observer = rows = PrefillRows()
+        toks, result = outputs(eng, [prompt, prompt], 12)
+        got[caching] = toks, [c.stats.accepted_per_pos for c in result.completions]
+        assert sorted(rows.prefill.values()) == ([3, 43] if caching else [43, 43])
+    assert got[True] == got[False]
+    eng = engine(target, draft, k=k, kv=_kv(200, True), drafter_kv=_kv(200, True))
+    eng.observer = rows = PrefillRows()
+    first, again = run_one(eng, "a", prompt), run_one(eng, "b", prompt)
+    assert again == first
+    assert rows.prefill["b"] == 3  # as plain decoding's: 40 positions read from the cache
+    drafter = eng.drafter.engine.allocator.cache
+    assert (drafter.queries, drafter.hits) == (40, 40) and eng.resyncs == 0
+    # the same 40 tokens then other ones: the last block's key differs, so it is recomputed
+    run_one(eng, "c", prompt[:40] + [7, 8, 9, 10])
+    assert rows.prefill["c"] == 44 - 36 and eng.resyncs == 0
+    assert (drafter.queries, drafter.hits) == (76, 76)
+
+
+def test_a_held_prompt_with_a_hit_opens_from_the_drafters_cache(pair):
+    """Adaptive depth holds the rows of a sequence that drafts nothing (4.11), a prompt's
+    too when it read a prefix from the cache: the update that sends them later starts at
+    the hit and names the cached blocks, so the drafter reads them (no resync), and the
+    output is plain decoding's."""
+    from tests.unit.engine_fixtures import RandomDepth
+    target, draft = pair
+    k = 3
+    batch = [list(range(1, 44))] * 3 + _shared_prompts(5, prefix_len=30, seed=9)
+    plain = outputs(engine(target, kv=_kv(400, False)), batch, 16)[0]
+    held_opens = 0
+    for seed in range(4):
+        eng = engine(target, draft, k=k, max_seqs=3, kv=_kv(400, True),
+                     drafter_kv=_kv(400, True))
+        # NOTE: both caches first hold the prefixes (a drafter lacking a block the
+        # verifier hit resyncs, by design: test_a_drafter_miss_asks_for_a_resync...)
+        outputs(eng, [batch[0], batch[3]], 4)
+        eng.depth = RandomDepth(seed, k)
+        first, submit = {}, eng.drafter.submit  # each sequence's first update
+
+        def recording(updates, submit=submit, first=first):
+            for u in updates:
+                first.setdefault(u.seq_id, u)
+            return submit(updates)
+        eng.drafter.submit = recording
+        assert outputs(eng, batch, 16)[0] == plain
+        assert eng.resyncs == 0
+        drafter = eng.drafter.engine.allocator.cache
+        assert drafter.hits == drafter.queries > 0
+        # opened past 0 with decode rows in it: rows held since the prompt's prefill
+        held_opens += sum(u.start > 0 and u.end > len(batch[seq - 2])
+                          for seq, u in first.items())
+    assert held_opens, "no prompt with a hit was ever held: the test drives nothing"
+
+
 def test_a_fully_cached_prompt_still_computes_its_last_block(pair):
     target, _ = pair
     eng = engine(target, kv=_kv(200, True))

@@ -51,11 +51,11 @@ def requeue(req: Request) -> None:
     req.num_computed = 0
     req.drafts, req.drafter_synced, req.resync_at = None, False, None
     req.drafts_ahead, req.ahead = False, None  # a look-ahead is for a round now gone
-    req.prefix_hit = req.num_cached = 0
+    req.prefix_hit = req.num_cached = req.num_followed = 0
     req.preemptions += 1
 
 
-def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare: int = 0,
+def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, follow: int = 0,
                  claims: CacheClaims | None = None) -> bool:
     """Admission by free blocks: the whole prefill plus one verify window, or nothing.
 
@@ -63,9 +63,11 @@ def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare:
     positions skip prefill. It ends at a block boundary before the last prompt row (the
     engine needs that row's logits), so the rows computed write only this sequence's own
     blocks, never a shared one (vLLM recomputes only the last token, into the shared
-    block). `spare`: blocks of the hit left out at its end and recomputed: 1 with a
-    drafter, whose MTP KV in a block depends on the K tokens after it, so it needs the
-    target's hidden rows of the last block to redo it for this continuation.
+    block). `follow` (K with a drafter): a drafter block's MTP KV depends on the K tokens
+    after it too, so the hit's last block is kept only where the cache noted this
+    prompt's next K tokens after it (`PrefixCache.after`: the drafter likely holds the
+    block under that key); else the last ceil(K / block) blocks of the hit are left out
+    and recomputed, and the drafter's blocks below them are keyed by tokens the hit shares.
     `claims` (the engine's other cache groups): the hit ends where they can start too
     (`CacheClaims.usable`: the state snapshot at its end, which `CacheClaims.claim` then
     loads; the window blocks its next row sees, adopted here)."""
@@ -76,7 +78,9 @@ def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare:
     limit = max(0, req.prefill_len - 1) // allocator.block_size
     hit = cache.match(chain_hashes(req.tokens, allocator.block_size, req.block_hashes,
                                    limit, req.hash_root)[:limit])
-    hit = hit[:max(0, len(hit) - spare)]
+    if follow and hit and cache.after(hit[-1]) != \
+            tuple(req.tokens[len(hit) * allocator.block_size:][:follow]):
+        hit = hit[:max(0, len(hit) - -(-follow // allocator.block_size))]
     while claims is not None and hit and not claims.usable(req.block_hashes, len(hit)):
         hit.pop()
     idle = sum(cache.is_idle(b) for b in hit)  # NOTE: held from now on, no longer free
@@ -96,19 +100,30 @@ def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, spare:
 
 
 def cache_committed(req: Request, allocator: BlockAllocator,
-                    claims: CacheClaims | None = None) -> None:
+                    claims: CacheClaims | None = None, follow: int = 0) -> None:
     """Cache the full blocks below `num_computed`: their KV holds committed tokens only
     (rejected drafts' rows lie at or past num_computed), and nothing writes them again.
     NOTE: only blocks whose tokens `req.tokens` holds: the hash needs them (a verify
     window's accepted drafts are appended after its rows are computed). `claims`: the
-    window tables' blocks too (before they are trimmed)."""
+    window tables' blocks too (before they are trimmed). `follow` (K with a drafter):
+    note the K committed tokens after each cached block once they are known
+    (`admit_blocks` reads them)."""
     cache, bs = allocator.cache, allocator.block_size
     full = min(req.num_computed, len(req.tokens)) // bs
-    if cache is None or full <= req.num_cached:
+    if cache is None:
         return
-    hashes = chain_hashes(req.tokens, bs, req.block_hashes, full, req.hash_root)
-    for i in range(req.num_cached, full):
-        cache.insert(hashes[i], req.blocks.blocks[i])
-    if claims is not None:
-        claims.cache_blocks(req.claims, hashes, req.num_cached, full)
-    req.num_cached = full
+    if full > req.num_cached:
+        hashes = chain_hashes(req.tokens, bs, req.block_hashes, full, req.hash_root)
+        for i in range(req.num_cached, full):
+            cache.insert(hashes[i], req.blocks.blocks[i])
+        if claims is not None:
+            claims.cache_blocks(req.claims, hashes, req.num_cached, full)
+        req.num_cached = full
+    if not follow:
+        return
+    known = min(req.num_cached, (len(req.tokens) - follow) // bs)
+    for i in range(req.num_followed, known):  # NOTE: on the block cached under the hash
+        block = cache.lookup(req.block_hashes[i])
+        if block is not None:
+            cache.note_after(block, tuple(req.tokens[(i + 1) * bs:(i + 1) * bs + follow]))
+    req.num_followed = max(req.num_followed, known)

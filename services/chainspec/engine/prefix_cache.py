@@ -65,6 +65,9 @@ class PrefixCache:
         self._by_hash: dict[BlockHash, int] = {}
         self._hash_of: dict[int, BlockHash] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # oldest first
+        # the tokens that followed a cached block in the latest sequence that committed
+        # them (`note_after`): a drafter's key for the block covers them (`draft_key`)
+        self._after: dict[int, tuple[int, ...]] = {}
         self.queries = self.hits = 0
 
     @property
@@ -99,6 +102,15 @@ class PrefixCache:
     def holds(self, block: int) -> bool:
         return block in self._hash_of
 
+    def note_after(self, block: int, following: tuple[int, ...]) -> None:
+        """A sequence committed `following` right after cached `block`."""
+        if block in self._hash_of:
+            self._after[block] = following
+
+    def after(self, block: int) -> tuple[int, ...] | None:
+        """What followed cached `block` when a sequence last committed past it."""
+        return self._after.get(block)
+
     def is_idle(self, block: int) -> bool:
         return block in self._idle
 
@@ -114,6 +126,7 @@ class PrefixCache:
         """Forget the least recently used idle block and hand it out."""
         block, _ = self._idle.popitem(last=False)
         del self._by_hash[self._hash_of.pop(block)]
+        self._after.pop(block, None)
         return block
 
     def record(self, queried: int, hit: int) -> None:

@@ -44,7 +44,7 @@ from chainspec.engine.prefix_cache import salt_root
 from chainspec.engine.request import FinishReason, Request, RequestOutput, StopConditions
 from chainspec.engine.sampling import SamplingParams
 from chainspec.engine.schedule import Work, WorkKind, schedule
-from chainspec.engine.verifier_drafts import DraftProtocol
+from chainspec.engine.verifier_drafts import DraftProtocol, HeldRows
 from chainspec.engine.verify_batch import VerifyResult, run_verify
 from chainspec.engine.verify_graphs import VerifyGraphs
 from chainspec.models.target import TargetModel
@@ -119,7 +119,7 @@ class VerifierEngine(DraftProtocol):
         self._step_ahead = [0, 0]  # this step's hits, misses (for the observer)
         self._turn = 0  # the group whose step is next
         self.depth = AdaptiveDepth(config.num_steps) if config.adaptive_depth else None
-        self.held: dict[int, tuple] = {}  # rows waiting for a round with drafts (_hold)
+        self.held: dict[int, HeldRows] = {}  # rows waiting for a round with drafts (_hold)
 
     # -- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams,
@@ -338,11 +338,9 @@ class VerifierEngine(DraftProtocol):
     def _admit_free(self) -> None:
         while len(self.running) < self.config.max_seqs:
             req = next_admission(self.waiting, self.running)  # NOTE: _reap ends finished ones
-            spare = 0 if self.drafter is None else -(-self.config.num_steps //
-                                                     self.allocator.block_size)
             if req is None or not preemption.admit_blocks(req, self.allocator,
-                                                          self.config.num_steps, spare,
-                                                          self.claims):
+                                                          self.config.num_steps,
+                                                          self._follow, self.claims):
                 break  # nobody waits, or wait for blocks
             self.waiting.remove(req)
             sizes = [0] * self.config.groups
@@ -353,6 +351,12 @@ class VerifierEngine(DraftProtocol):
             self.claims.claim(req.claims, req.block_hashes[req.num_cached - 1]
                               if req.num_cached else None)
             self.running.append(req)
+
+    @property
+    def _follow(self) -> int:
+        """Tokens after a cached block that a drafter's key for it covers (none: no
+        drafter)."""
+        return 0 if self.drafter is None else self.config.num_steps
 
     def _reserve(self, work: list[Work]) -> list[Work]:
         """Blocks for the rows `work` writes; short of them, preempt (module preemption)."""
@@ -439,7 +443,7 @@ class VerifierEngine(DraftProtocol):
         """Prefix caching (DESIGN 4.12): the committed full blocks (window groups' too),
         and a hybrid model's states at their ends (engine/state_snapshots.py); then the
         window blocks no row can see go back (cached ones stay cached, idle)."""
-        preemption.cache_committed(item.request, self.allocator, self.claims)
+        preemption.cache_committed(item.request, self.allocator, self.claims, self._follow)
         if self.claims.snapshots is not None:
             self.claims.snapshots.commit(item, accepted, self.allocator.block_size)
         self.claims.trim(item.request.claims, item.request.num_computed)

@@ -5,6 +5,8 @@ there); one concept per file."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from chainspec.engine.draft_types import (
@@ -150,17 +152,18 @@ class DraftProtocol:
         wants = (verdict is not None or item.start + rows == req.recompute_len) and \
             req.wants_drafts
         start = item.start
-        # NOTE: a prompt is held only from 0 (a prefix hit opens from the drafter's cache)
-        holds = item.kind is WorkKind.VERIFY or (not req.wants_drafts and req.prefix_hit == 0)
-        if holds and not ahead:
+        if (item.kind is WorkKind.VERIFY or not req.wants_drafts) and not ahead:
             held = self._hold(req, start, tokens, hidden, wants)
             if held is None:
                 return None
             start, tokens, hidden = held
+        # NOTE: the update that opens the sequence (its rows held or not) starts at the
+        # prefix hit, and names every cached block below it (the drafter reads them)
         return SeqUpdate(self.seq_ids[req.request_id], start, tokens, hidden,
                          want_drafts=wants, sampling=self._draft_sampling(req),
                          look_ahead=ahead, verifying=verifying,
-                         cache_keys=self._draft_keys(req, start, item.start + rows, opens),
+                         cache_keys=self._draft_keys(req, start, item.start + rows,
+                                                     start == req.prefix_hit),
                          num_drafts=0 if ahead else self._depth_asked(req))
 
     def _depth_asked(self, req: Request) -> int:
@@ -184,14 +187,15 @@ class DraftProtocol:
             self._release_drafter(req)
             req.drafter_synced = False  # NOTE: no resync is scheduled: none is ever needed
             return None
-        held = self.held.pop(seq_id, None)
-        if held is not None:
-            start, tokens = held[0], held[1] + tokens
-            hidden = torch.cat([held[2], hidden])  # [rows, H]
-        if wants:
-            return start, tokens, hidden
-        self.held[seq_id] = (start, tokens, hidden if held is not None else hidden.clone())
-        return None
+        held = self.held.get(seq_id)
+        if held is None:
+            held = self.held[seq_id] = HeldRows(start)
+        held.tokens.extend(tokens)
+        held.hidden.append(hidden.clone())  # NOTE: a view of the step's output buffer
+        if not wants:
+            return None
+        del self.held[seq_id]
+        return held.start, tuple(held.tokens), torch.cat(held.hidden)  # [rows, H]
 
     def _release_drafter(self, req: Request) -> None:
         """The drafter forgets the sequence; rows held for it go too."""
@@ -221,6 +225,16 @@ class DraftProtocol:
         if s.greedy or not self.config.sampled_drafts:
             return DraftSampling(0.0, 0, s.seed)
         return DraftSampling(s.temperature, self.config.draft_top_k, s.seed)
+
+
+@dataclass
+class HeldRows:
+    """A sequence's rows waiting for its next update that asks for drafts (`_hold`):
+    kept in pieces, joined once when they go (a plain spell adds a row a step)."""
+
+    start: int
+    tokens: list[int] = field(default_factory=list)
+    hidden: list[torch.Tensor] = field(default_factory=list)  # [rows, H] pieces
 
 
 def has_drafts(req: Request) -> bool:
