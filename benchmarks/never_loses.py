@@ -13,6 +13,7 @@ The depths the adaptive verifier chose are read from its /metrics around each po
 
     .venv/bin/python benchmarks/never_loses.py [--concurrency 1,4,16,32,64]
         [--request-rate 4,16] [--num-prompts 16] [--output-len 32] [--repeats 2]
+        [--requests-per-slot 3]
 
 Writes benchmarks/results/never_loses.{json,md} and never_loses_depth.png.
 """
@@ -97,11 +98,14 @@ class Stack:
 
 
 async def depth_counts(client: httpx.AsyncClient) -> list[float]:
-    """`chainspec_spec_decode_depth_total` by depth 0..K_MAX, summed over verifiers."""
+    """`chainspec_spec_decode_depth_total` by depth 0..K_MAX, then
+    `chainspec_draft_resyncs_total` (drafter states rebuilt by a dense recompute: a
+    drafter that lost a sequence, or lacked a prefix the verifier read from its cache),
+    summed over verifiers."""
     groups = (await client.get("/v1/metrics/targets")).raise_for_status().json()
     urls = [f"http://{t}{g['labels'].get('__metrics_path__', '/metrics')}"
             for g in groups if g["labels"].get("role") == "verifier" for t in g["targets"]]
-    counts = [0.0] * (K_MAX + 1)
+    counts = [0.0] * (K_MAX + 2)
     for url in urls:
         text = (await client.get(url)).raise_for_status().text
         for family in text_string_to_metric_families(text):
@@ -110,6 +114,8 @@ async def depth_counts(client: httpx.AsyncClient) -> list[float]:
                     d = int(s.labels["depth"])
                     if d <= K_MAX:
                         counts[d] += s.value
+                elif s.name == "chainspec_draft_resyncs_total":
+                    counts[-1] += s.value
     return counts
 
 
@@ -129,10 +135,10 @@ def points(args) -> list[LoadPoint]:
 
 
 def requests_for(point: LoadPoint, args) -> int:
-    """Closed loop: at least three requests per slot, so the point is not all ramp (and
-    an online policy sees some steps at that batch size)."""
+    """Closed loop: at least `--requests-per-slot` (3) requests per slot, so the point is
+    not all ramp (and an online policy sees some steps at that batch size)."""
     if point.kind is LoadKind.CONCURRENCY:
-        return max(args.num_prompts, 3 * int(point.value))
+        return max(args.num_prompts, args.requests_per_slot * int(point.value))
     return max(args.num_prompts, int(4 * point.value))
 
 
@@ -171,6 +177,7 @@ def row(point: LoadPoint, runs: dict[str, list[dict]]) -> dict:
     best_fixed = max(FIXED, key=lambda n: tps[n])
     best = max(tps["plain"], tps[best_fixed])
     depths = [sum(rep["depths"][d] for rep in runs["adaptive"]) for d in range(K_MAX + 1)]
+    resyncs = {n: sum(rep["depths"][-1] for rep in reps) for n, reps in runs.items()}
     rounds = sum(depths)
     return {"point": point.label, "kind": point.kind.value, "value": point.value,
             "tokens_per_s": {n: round(v, 1) for n, v in tps.items()},
@@ -181,6 +188,7 @@ def row(point: LoadPoint, runs: dict[str, list[dict]]) -> dict:
             "tpot_p50_ms": {n: s["tpot_ms"]["p50"] for n, s in summaries.items()},
             "errors": {n: s["errors"] for n, s in summaries.items()},
             "adaptive_depths": depths,
+            "resyncs": resyncs,
             "adaptive_mean_depth": round(sum(d * c for d, c in enumerate(depths)) / rounds, 3)
             if rounds else None,
             "summaries": summaries}
@@ -203,14 +211,15 @@ def markdown(report: dict) -> str:
     names = list(CONFIGS)
     lines = ["# Never loses: adaptive depth vs plain and fixed K (demo model, served)", "",
              f"`benchmarks/never_loses.py`: {report['repeats']} repeats per point, rotated "
-             f"order; {report['output_len']} output tokens (greedy, ignore_eos); one stack "
+             f"order; {report['output_len']} output tokens (greedy, ignore_eos); closed loops "
+             f"of {report.get('requests_per_slot', 3)} requests per slot; one stack "
              f"per configuration, verifier max_num_seqs {report['max_num_seqs']}; "
              f"{report['cpus']} CPUs shared with other work. Started "
              f"{report['started']}, {report['minutes']:.1f} min.", "",
              "| load | " + " | ".join(f"{n} tok/s" for n in names) +
              " | best fixed | adaptive / best | TPOT p50 ms adaptive / plain | "
-             "adaptive depths 0..4 | mean depth |",
-             "|---|" + "---|" * (len(names) + 5)]
+             "adaptive depths 0..4 | mean depth | resyncs adaptive / k4 |",
+             "|---|" + "---|" * (len(names) + 6)]
     for r in report["rows"]:
         t, tp = r["tokens_per_s"], r["tpot_p50_ms"]
         lines.append(
@@ -218,10 +227,15 @@ def markdown(report: dict) -> str:
             f" | {r['best_fixed']} | **{r['adaptive_over_best']}** | "
             f"{_ms(tp['adaptive'])} / {_ms(tp['plain'])} | "
             f"{' / '.join(str(int(c)) for c in r['adaptive_depths'])} | "
-            f"{r['adaptive_mean_depth']} |")
+            f"{r['adaptive_mean_depth']} | {_count(r, 'adaptive')} / {_count(r, 'k4')} |")
     lines += ["", "Verdicts: " + ", ".join(f"{k}: {v}" for k, v in report["verdicts"].items()),
               "", "![chosen depth against load](never_loses_depth.png)", ""]
     return "\n".join(lines)
+
+
+def _count(r: dict, name: str) -> str:
+    got = r.get("resyncs", {}).get(name)
+    return "-" if got is None else str(int(got))
 
 
 def _ms(v) -> str:
@@ -269,6 +283,9 @@ def main() -> None:
     p.add_argument("--request-rate", type=_floats, default=[4, 16])
     p.add_argument("--num-prompts", type=int, default=16, help="least requests per point")
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--requests-per-slot", type=int, default=3,
+                   help="closed loops: requests per concurrent slot (at c=64, 3 make ~70 "
+                        "engine steps a repeat, 8 ~190)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS / "never_loses"))
@@ -292,6 +309,7 @@ def main() -> None:
             stack.stop()
     report = {"model": "demo", "configs": CONFIGS, "repeats": args.repeats,
               "output_len": args.output_len, "max_num_seqs": max_seqs,
+              "requests_per_slot": args.requests_per_slot,
               "cpus": os.cpu_count(), "started": started,
               "minutes": (time.monotonic() - t0) / 60, "rows": rows,
               "verdicts": verdicts(rows)}

@@ -46,7 +46,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -312,7 +311,7 @@ class Stack:
         state.mkdir(parents=True)
         self.log = state / "serve.log"
         name = "on" if caching else "off"
-        self.cmd = [shutil.which("chainspec") or "chainspec", "serve", "--model",
+        self.cmd = [sys.executable, "-m", "chainspec.cli", "serve", "--model",
                     str(model_dir), "--max-model-len", str(max_len), "--port", "0",
                     "--max-num-seqs", str(max(args.chats, 8)),
                     "--namespace", f"prefix_cache_{name}_{os.getpid()}",

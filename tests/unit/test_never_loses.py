@@ -6,8 +6,9 @@ from chainspec.benchserve.client import RequestResult
 from chainspec.benchserve.config import LoadKind, LoadPoint
 
 
-def _run(tokens: int, seconds: float, tpot_s: float, depths=(0, 0, 0, 0, 0)) -> dict:
-    """One repeat: two requests of `tokens` each over `seconds`."""
+def _run(tokens: int, seconds: float, tpot_s: float, depths=(0, 0, 0, 0, 0, 0)) -> dict:
+    """One repeat: two requests of `tokens` each over `seconds`; `depths`: the verifier
+    counters read around it (depths 0..4, then resyncs)."""
     results = [RequestResult(ok=True, start_s=0.0, end_s=seconds, ttft_s=0.0,
                              output_tokens=tokens) for _ in range(2)]
     for r in results:
@@ -16,7 +17,7 @@ def _run(tokens: int, seconds: float, tpot_s: float, depths=(0, 0, 0, 0, 0)) -> 
 
 
 def _point(value: float, seconds: dict[str, float]) -> dict:
-    runs = {n: [_run(50, s, s / 100, (1, 0, 0, 2, 7) if n == "adaptive" else (0,) * 5)]
+    runs = {n: [_run(50, s, s / 100, (1, 0, 0, 2, 7, 3) if n == "adaptive" else (0,) * 6)]
             for n, s in seconds.items()}
     return row(LoadPoint(LoadKind.CONCURRENCY, value), runs)
 
@@ -29,6 +30,7 @@ def test_ratio_is_against_the_better_of_plain_and_the_best_fixed_k():
     assert r["adaptive_over_best"] == round(1.0 / 1.05, 3)
     assert r["adaptive_over_plain"] == round(2.0 / 1.05, 3)
     assert r["adaptive_depths"] == [1, 0, 0, 2, 7]
+    assert r["resyncs"]["adaptive"] == 3 and r["resyncs"]["k4"] == 0
     assert r["adaptive_mean_depth"] == round((3 * 2 + 4 * 7) / 10, 3)
     # plain the best: the bar is on plain
     r = _point(64, {"plain": 1.0, "k1": 1.5, "k2": 1.6, "k3": 2.0, "k4": 2.1,

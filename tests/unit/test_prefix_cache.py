@@ -205,6 +205,39 @@ def test_a_repeated_prompt_keeps_its_last_block_with_a_drafter(pair):
     assert (drafter.queries, drafter.hits) == (76, 76)
 
 
+@pytest.mark.parametrize("cap", [None, 1])
+def test_a_next_turn_reads_only_blocks_the_drafter_was_told_to_cache(pair, cap):
+    """A chat's next turn extends the last turn's text past where the drafter's KV
+    was final (the last round's rows never go to the drafter), and a request capped at
+    1 draft asks for 1-step rounds, whose deeper steps lag and cache nothing. A hit
+    ends where the drafter was not sent a block's key (capped: at once): so never a
+    resync, and the same tokens as without caching."""
+    target, draft = pair
+    k = 3
+    first = list(range(1, 31))
+    got = {}
+    for caching in (False, True):
+        eng = engine(target, draft, k=k, kv=_kv(200, caching), drafter_kv=_kv(200, caching))
+        turns, prompt = [], first
+        for turn in range(3):
+            eng.add_request(f"t{turn}", prompt, SamplingParams(temperature=0.0),
+                            StopConditions(max_tokens=11), num_speculative_tokens=cap)
+            out = []
+            while eng.has_work:
+                for o in eng.step():
+                    out.extend(o.new_tokens)
+            turns.append(out)
+            prompt = prompt + out + [40 + turn, 41, 42, 43, 44]
+        got[caching] = turns
+        if caching:
+            assert eng.resyncs == 0
+            drafter = eng.drafter.engine.allocator.cache
+            assert drafter.hits == drafter.queries
+            # capped, the drafter never held a block: nothing is read from the cache
+            assert (eng.allocator.cache.hits > 0) == (cap is None) == (drafter.hits > 0)
+    assert got[True] == got[False]
+
+
 def test_a_held_prompt_with_a_hit_opens_from_the_drafters_cache(pair):
     """Adaptive depth holds the rows of a sequence that drafts nothing (4.11), a prompt's
     too when it read a prefix from the cache: the update that sends them later starts at

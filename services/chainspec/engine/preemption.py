@@ -51,7 +51,7 @@ def requeue(req: Request) -> None:
     req.num_computed = 0
     req.drafts, req.drafter_synced, req.resync_at = None, False, None
     req.drafts_ahead, req.ahead = False, None  # a look-ahead is for a round now gone
-    req.prefix_hit = req.num_cached = req.num_followed = 0
+    req.prefix_hit = req.num_cached = 0
     req.preemptions += 1
 
 
@@ -64,10 +64,10 @@ def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, follow
     engine needs that row's logits), so the rows computed write only this sequence's own
     blocks, never a shared one (vLLM recomputes only the last token, into the shared
     block). `follow` (K with a drafter): a drafter block's MTP KV depends on the K tokens
-    after it too, so the hit's last block is kept only where the cache noted this
-    prompt's next K tokens after it (`PrefixCache.after`: the drafter likely holds the
-    block under that key); else the last ceil(K / block) blocks of the hit are left out
-    and recomputed, and the drafter's blocks below them are keyed by tokens the hit shares.
+    after it too, and the drafter restores a hit only whole, so the hit ends at the first
+    block whose key, with this prompt's next K tokens, the drafter was not sent in a
+    full-depth round (`PrefixCache.noted`). Blocks past it are recomputed: cheaper than
+    the drafter missing, which rebuilds the whole prefix (a resync).
     `claims` (the engine's other cache groups): the hit ends where they can start too
     (`CacheClaims.usable`: the state snapshot at its end, which `CacheClaims.claim` then
     loads; the window blocks its next row sees, adopted here)."""
@@ -78,9 +78,11 @@ def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, follow
     limit = max(0, req.prefill_len - 1) // allocator.block_size
     hit = cache.match(chain_hashes(req.tokens, allocator.block_size, req.block_hashes,
                                    limit, req.hash_root)[:limit])
-    if follow and hit and cache.after(hit[-1]) != \
-            tuple(req.tokens[len(hit) * allocator.block_size:][:follow]):
-        hit = hit[:max(0, len(hit) - -(-follow // allocator.block_size))]
+    if follow:  # NOTE: a block below a miss is useless to the drafter: it reads a prefix
+        bs = allocator.block_size
+        known = next((i for i, b in enumerate(hit) if not cache.noted(
+            b, tuple(req.tokens[(i + 1) * bs:(i + 1) * bs + follow]))), len(hit))
+        hit = hit[:known]
     while claims is not None and hit and not claims.usable(req.block_hashes, len(hit)):
         hit.pop()
     idle = sum(cache.is_idle(b) for b in hit)  # NOTE: held from now on, no longer free
@@ -100,30 +102,19 @@ def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, follow
 
 
 def cache_committed(req: Request, allocator: BlockAllocator,
-                    claims: CacheClaims | None = None, follow: int = 0) -> None:
+                    claims: CacheClaims | None = None) -> None:
     """Cache the full blocks below `num_computed`: their KV holds committed tokens only
     (rejected drafts' rows lie at or past num_computed), and nothing writes them again.
     NOTE: only blocks whose tokens `req.tokens` holds: the hash needs them (a verify
     window's accepted drafts are appended after its rows are computed). `claims`: the
-    window tables' blocks too (before they are trimmed). `follow` (K with a drafter):
-    note the K committed tokens after each cached block once they are known
-    (`admit_blocks` reads them)."""
+    window tables' blocks too (before they are trimmed)."""
     cache, bs = allocator.cache, allocator.block_size
     full = min(req.num_computed, len(req.tokens)) // bs
-    if cache is None:
+    if cache is None or full <= req.num_cached:
         return
-    if full > req.num_cached:
-        hashes = chain_hashes(req.tokens, bs, req.block_hashes, full, req.hash_root)
-        for i in range(req.num_cached, full):
-            cache.insert(hashes[i], req.blocks.blocks[i])
-        if claims is not None:
-            claims.cache_blocks(req.claims, hashes, req.num_cached, full)
-        req.num_cached = full
-    if not follow:
-        return
-    known = min(req.num_cached, (len(req.tokens) - follow) // bs)
-    for i in range(req.num_followed, known):  # NOTE: on the block cached under the hash
-        block = cache.lookup(req.block_hashes[i])
-        if block is not None:
-            cache.note_after(block, tuple(req.tokens[(i + 1) * bs:(i + 1) * bs + follow]))
-    req.num_followed = max(req.num_followed, known)
+    hashes = chain_hashes(req.tokens, bs, req.block_hashes, full, req.hash_root)
+    for i in range(req.num_cached, full):
+        cache.insert(hashes[i], req.blocks.blocks[i])
+    if claims is not None:
+        claims.cache_blocks(req.claims, hashes, req.num_cached, full)
+    req.num_cached = full

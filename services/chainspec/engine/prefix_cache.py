@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 BlockHash = bytes  # 16 bytes of BLAKE2b: a collision would be a wrong output, so no 64-bit
+AFTER_KEPT = 8  # drafter keys remembered per cached block (`PrefixCache.note_after`)
 
 
 def block_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
@@ -65,9 +66,9 @@ class PrefixCache:
         self._by_hash: dict[BlockHash, int] = {}
         self._hash_of: dict[int, BlockHash] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # oldest first
-        # the tokens that followed a cached block in the latest sequence that committed
-        # them (`note_after`): a drafter's key for the block covers them (`draft_key`)
-        self._after: dict[int, tuple[int, ...]] = {}
+        # the K tokens after a cached block in the last drafter keys sent for it (newest
+        # last; `note_after`, `draft_key` covers them): the verifier's admission reads them
+        self._after: dict[int, OrderedDict[tuple[int, ...], None]] = {}
         self.queries = self.hits = 0
 
     @property
@@ -103,13 +104,21 @@ class PrefixCache:
         return block in self._hash_of
 
     def note_after(self, block: int, following: tuple[int, ...]) -> None:
-        """A sequence committed `following` right after cached `block`."""
-        if block in self._hash_of:
-            self._after[block] = following
+        """A drafter was sent the key of cached `block` followed by `following` (the
+        last AFTER_KEPT such keys are kept: a shared prompt's last block is followed by
+        every user's message)."""
+        if block not in self._hash_of:
+            return
+        seen = self._after.setdefault(block, OrderedDict())
+        seen[following] = None
+        seen.move_to_end(following)
+        if len(seen) > AFTER_KEPT:
+            seen.popitem(last=False)
 
-    def after(self, block: int) -> tuple[int, ...] | None:
-        """What followed cached `block` when a sequence last committed past it."""
-        return self._after.get(block)
+    def noted(self, block: int, following: tuple[int, ...]) -> bool:
+        """Whether a drafter was sent the key of cached `block` followed by `following`
+        (lately): the drafter most likely holds its MTP KV under that key."""
+        return following in self._after.get(block, ())
 
     def is_idle(self, block: int) -> bool:
         return block in self._idle

@@ -84,7 +84,6 @@ class Request:
         self.hash_root: bytes | None = None  # prefix_cache.salt_root of its cache_salt
         self.prefix_hit = 0
         self.num_cached = 0
-        self.num_followed = 0  # leading blocks whose next tokens the cache has noted
         self.preemptions = 0
         self.group = 0  # pipelined group (VerifierConfig.groups), set at admission
         self.party = request_id  # the client request it serves (engine/admission.py)

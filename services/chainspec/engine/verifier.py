@@ -340,7 +340,7 @@ class VerifierEngine(DraftProtocol):
             req = next_admission(self.waiting, self.running)  # NOTE: _reap ends finished ones
             if req is None or not preemption.admit_blocks(req, self.allocator,
                                                           self.config.num_steps,
-                                                          self._follow, self.claims):
+                                                          self._follow(req), self.claims):
                 break  # nobody waits, or wait for blocks
             self.waiting.remove(req)
             sizes = [0] * self.config.groups
@@ -352,11 +352,12 @@ class VerifierEngine(DraftProtocol):
                               if req.num_cached else None)
             self.running.append(req)
 
-    @property
-    def _follow(self) -> int:
-        """Tokens after a cached block that a drafter's key for it covers (none: no
-        drafter)."""
-        return 0 if self.drafter is None else self.config.num_steps
+    def _follow(self, req: Request | None) -> int:
+        """Tokens after a cached block that a drafter's key for it covers: 0 where no
+        drafter will hold `req` (none attached, or the request never drafts)."""
+        if self.drafter is None or req is None or req.max_drafts == 0:
+            return 0
+        return self.config.num_steps
 
     def _reserve(self, work: list[Work]) -> list[Work]:
         """Blocks for the rows `work` writes; short of them, preempt (module preemption)."""
@@ -443,7 +444,7 @@ class VerifierEngine(DraftProtocol):
         """Prefix caching (DESIGN 4.12): the committed full blocks (window groups' too),
         and a hybrid model's states at their ends (engine/state_snapshots.py); then the
         window blocks no row can see go back (cached ones stay cached, idle)."""
-        preemption.cache_committed(item.request, self.allocator, self.claims, self._follow)
+        preemption.cache_committed(item.request, self.allocator, self.claims)
         if self.claims.snapshots is not None:
             self.claims.snapshots.commit(item, accepted, self.allocator.block_size)
         self.claims.trim(item.request.claims, item.request.num_computed)

@@ -157,14 +157,15 @@ class DraftProtocol:
             if held is None:
                 return None
             start, tokens, hidden = held
+        depth = 0 if ahead else self._depth_asked(req)
         # NOTE: the update that opens the sequence (its rows held or not) starts at the
         # prefix hit, and names every cached block below it (the drafter reads them)
+        keys = self._draft_keys(req, start, item.start + rows, start == req.prefix_hit,
+                                noted=req.max_drafts >= self.config.num_steps)
         return SeqUpdate(self.seq_ids[req.request_id], start, tokens, hidden,
                          want_drafts=wants, sampling=self._draft_sampling(req),
-                         look_ahead=ahead, verifying=verifying,
-                         cache_keys=self._draft_keys(req, start, item.start + rows,
-                                                     start == req.prefix_hit),
-                         num_drafts=0 if ahead else self._depth_asked(req))
+                         look_ahead=ahead, verifying=verifying, cache_keys=keys,
+                         num_drafts=depth)
 
     def _depth_asked(self, req: Request) -> int:
         """Drafter-side depth (4.11): the draft steps the next round needs for `req`, 0
@@ -203,11 +204,17 @@ class DraftProtocol:
         self.held.pop(seq_id, None)
         self.drafter.release([seq_id])
 
-    def _draft_keys(self, req: Request, start: int, end: int, opens: bool = True
-                    ) -> tuple[tuple[int, bytes], ...]:
+    def _draft_keys(self, req: Request, start: int, end: int, opens: bool = True,
+                    noted: bool = True) -> tuple[tuple[int, bytes], ...]:
         """Drafter keys (prefix_cache.draft_key) of the blocks an update from `start` to
         `end` makes final (the drafter's KV at p <= end - K is: K tokens after each), and,
-        on an update that `opens` the sequence, of every block below `start` too."""
+        on an update that `opens` the sequence, of every block below `start` too.
+        `noted`: the drafter will cache them, so they are noted in our cache
+        (`PrefixCache.note_after`) for admission. Not for a request capped below K: its
+        rounds never run every step, so its blocks wait in the drafter for a lagging
+        step that only a long lag forces (drafter.py `_round_depth`). NOTE: an uncapped
+        sequence that ends while a step lags (adaptive depth asked fewer) leaves noted
+        blocks the drafter never cached: a later hit on them resyncs."""
         if self.allocator.cache is None:
             return ()
         bs, k = self.allocator.block_size, self.config.num_steps
@@ -216,9 +223,15 @@ class DraftProtocol:
         if last <= first:
             return ()
         hashes = chain_hashes(req.tokens, bs, req.block_hashes, last, req.hash_root)
-        return tuple(((i + 1) * bs, draft_key(hashes[i], req.tokens[(i + 1) * bs:
-                                                                  (i + 1) * bs + k]))
-                     for i in range(first, last))
+        keys = []
+        for i in range(first, last):
+            following = tuple(req.tokens[(i + 1) * bs:(i + 1) * bs + k])
+            keys.append(((i + 1) * bs, draft_key(hashes[i], following)))
+            block = self.allocator.cache.lookup(hashes[i]) if noted else None
+            if block is not None and len(following) == k:
+                # NOTE: the drafter caches it under this key: admission reads it
+                self.allocator.cache.note_after(block, following)
+        return tuple(keys)
 
     def _draft_sampling(self, req: Request) -> DraftSampling:
         s = req.sampling
