@@ -238,6 +238,56 @@ def test_a_next_turn_reads_only_blocks_the_drafter_was_told_to_cache(pair, cap):
     assert got[True] == got[False]
 
 
+class PlainThenDrafts:
+    """A stand-in adaptive policy: plain decoding for its first `plain_for` steps, then
+    every sequence at its cap."""
+
+    ask = 0
+
+    def __init__(self, plain_for: int) -> None:
+        self.left, self.plain_steps = plain_for, 1  # NOTE: a spell already runs
+
+    def depths(self, keys, caps, other_rows=0, demand=0):
+        self.left -= 1
+        self.plain_steps = self.plain_steps + 1 if self.left >= 0 else 0
+        return [0] * len(caps) if self.left >= 0 else list(caps)
+
+    def observe_round(self, key, num_drafts, accepted):
+        pass
+
+    def observe_step(self, *args, **kwargs):
+        pass
+
+    def forget(self, key):
+        pass
+
+
+def test_a_prompt_admitted_while_nobody_drafts_reads_its_whole_hit(pair):
+    """During a plain spell the drafter is sent nothing, so it holds no key of the
+    prompts the spell saw: a prompt admitted then reads its whole hit, as plain decoding
+    does. When drafting resumes in its life its drafter state is rebuilt (a resync), and
+    the output is plain decoding's."""
+    target, draft = pair
+    prompt = list(range(1, 27))  # 26 tokens: 6 blocks of 4 before the last row
+    plain = engine(target, kv=_kv(200, True))
+    plain.observer = plain_rows = PrefillRows()
+    want = [run_greedy(plain, rid, prompt, 16) for rid in ("a", "b")]
+    eng = engine(target, draft, k=3, kv=_kv(200, True), drafter_kv=_kv(200, True))
+    eng.observer = rows = PrefillRows()
+    eng.depth = PlainThenDrafts(plain_for=24)  # "a" ends plain; "b" starts plain, drafts
+    got = [run_greedy(eng, "a", prompt, 16)]
+    eng.add_request("b", prompt, SamplingParams(temperature=0.0), StopConditions(max_tokens=16))
+    got.append([])
+    while eng.has_work:
+        for out in eng.step():
+            got[-1].extend(out.new_tokens)
+            final = out.stats or None
+    assert got == want
+    assert rows.prefill == plain_rows.prefill == {"a": 26, "b": 2}
+    assert eng.resyncs == 1  # "b", once drafting resumed: the drafter never saw "a"
+    assert final.accepted_tokens > 0  # it drafted after
+
+
 def test_a_held_prompt_with_a_hit_opens_from_the_drafters_cache(pair):
     """Adaptive depth holds the rows of a sequence that drafts nothing (4.11), a prompt's
     too when it read a prefix from the cache: the update that sends them later starts at

@@ -354,8 +354,13 @@ class VerifierEngine(DraftProtocol):
 
     def _follow(self, req: Request | None) -> int:
         """Tokens after a cached block that a drafter's key for it covers: 0 where no
-        drafter will hold `req` (none attached, or the request never drafts)."""
+        drafter will hold `req` (none attached, or the request never drafts), and while
+        adaptive depth decodes plain: `req` then reads its whole hit as plain decoding
+        does, and pays a resync only if drafting resumes in its life (a plain spell
+        sends the drafter nothing, so it holds no key of the prompts it saw)."""
         if self.drafter is None or req is None or req.max_drafts == 0:
+            return 0
+        if self.depth is not None and self.depth.plain_steps:
             return 0
         return self.config.num_steps
 
