@@ -65,9 +65,9 @@ def admit_blocks(req: Request, allocator: BlockAllocator, num_steps: int, follow
     blocks, never a shared one (vLLM recomputes only the last token, into the shared
     block). `follow` (K with a drafter): a drafter block's MTP KV depends on the K tokens
     after it too, and the drafter restores a hit only whole, so the hit ends at the first
-    block whose key, with this prompt's next K tokens, the drafter was not sent in a
-    full-depth round (`PrefixCache.noted`). Blocks past it are recomputed: cheaper than
-    the drafter missing, which rebuilds the whole prefix (a resync).
+    block whose key, with this prompt's next K tokens, the drafter was not sent
+    (`PrefixCache.noted`). Blocks past it are recomputed: cheaper than the drafter
+    missing, which rebuilds the whole prefix (a resync).
     `claims` (the engine's other cache groups): the hit ends where they can start too
     (`CacheClaims.usable`: the state snapshot at its end, which `CacheClaims.claim` then
     loads; the window blocks its next row sees, adopted here)."""

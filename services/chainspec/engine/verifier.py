@@ -352,13 +352,13 @@ class VerifierEngine(DraftProtocol):
                               if req.num_cached else None)
             self.running.append(req)
 
-    def _follow(self, req: Request | None) -> int:
+    def _follow(self, req: Request) -> int:
         """Tokens after a cached block that a drafter's key for it covers: 0 where no
         drafter will hold `req` (none attached, or the request never drafts), and while
         adaptive depth decodes plain: `req` then reads its whole hit as plain decoding
         does, and pays a resync only if drafting resumes in its life (a plain spell
         sends the drafter nothing, so it holds no key of the prompts it saw)."""
-        if self.drafter is None or req is None or req.max_drafts == 0:
+        if self.drafter is None or req.max_drafts == 0:
             return 0
         if self.depth is not None and self.depth.plain_steps:
             return 0
