@@ -201,6 +201,33 @@ def test_every_hypothesis_crosses_the_wire_and_output_stays_plain(models, batch,
     assert verifier.ahead_hits + verifier.ahead_misses > 0
 
 
+def test_a_prefix_hit_goes_to_the_drafter_that_cached_it(models, drafters) -> None:
+    """Two drafters; a sequence runs on one, and a second sharing its first blocks comes
+    while it does. Least loaded alone sends the second to the idle drafter, which never
+    computed those blocks: a miss and a resync (a dense recompute of the prefix). The
+    hit goes where its blocks were sent, and reads them there; tokens equal plain's."""
+    target, draft = models
+    shared = [(7 * i) % target.config.vocab_size for i in range(1, 50)]  # 3 full blocks
+    first, second = (shared + p for p in prompts(2, vocab=target.config.vocab_size, seed=4))
+    want = outputs(engine(target), [first, second], 40)[0]
+    a, b = drafters(2)
+    client = GrpcDraftClient([a.address, b.address], round_deadline_s=PATIENT,
+                             match=DrafterMatch(K, 32, target.config.vocab_size))
+    drive = Driver(engine(target, client=client, k=K), max_tokens=40)
+    (one,) = drive.add([first], "one")
+    drive.step(4)  # its prompt's blocks are final in its drafter
+    holder = a if client.loads()[a.address] else b
+    (two,) = drive.add([second], "two")
+    drive.finish()
+    client.close()
+    assert [drive.tokens[one], drive.tokens[two]] == want
+    assert drive.eng.allocator.cache.hits > 0, "the second prompt hit the verifier's cache"
+    assert drive.eng.resyncs == 0 and client.stats.affine_hits == 1
+    assert holder.engine.allocator.cache.hits > 0
+    other = b if holder is a else a
+    assert other.engine.allocator.cache.queries == 0, "the idle drafter was never asked"
+
+
 def test_two_drafters_share_sequences(models, batch, plain, drafters) -> None:
     a, b = drafters(2)
     client = GrpcDraftClient([a.address, b.address], round_deadline_s=PATIENT)

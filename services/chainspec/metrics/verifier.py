@@ -277,6 +277,9 @@ class DraftStatsCollector(Collector):
                       getattr(cache, "hits", 0))
         yield counter("chainspec_draft_reassignments", "Sequences given to another drafter "
                       "after losing theirs", getattr(stats, "reassignments", 0))
+        yield counter("chainspec_draft_prefix_affine", "Sequences opening from a prefix "
+                      "hit sent to the drafter that was sent its blocks",
+                      getattr(stats, "affine_hits", 0))
         yield counter("chainspec_draft_late_batches", "Draft answers that came after their "
                       "round deadline", getattr(stats, "late_batches", 0))
         yield counter("chainspec_draft_stream_failures", "Drafter streams that broke",

@@ -50,6 +50,7 @@ class DraftPoolStats:
     reassignments: int = 0  # sequences given to a drafter again after losing theirs
     reconnects: int = 0  # links to a wanted drafter opened again after a failure
     ahead_entries: int = 0  # look-ahead entries received (DESIGN 4.8)
+    affine_hits: int = 0  # prefix hits routed to the drafter their blocks were sent to
 
 
 class PoolObserver(Protocol):
