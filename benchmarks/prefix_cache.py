@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="--serve: the model directory (default: the demo, --positions long)")
     p.add_argument("--positions", type=int, default=2048,
                    help="--serve: max_position_embeddings of the demo's copy")
+    p.add_argument("--drafters", type=int, default=1,
+                   help="--serve: drafter actors of each stack (hits then need the drafter "
+                        "that cached their blocks)")
     args = p.parse_args(argv)
     if args.url or args.serve:
         return main_http(args, argv)
@@ -249,8 +252,8 @@ def main_http(args, argv) -> int:
     report = summarize(args, argv, runs)
     report["load_avg"] = [round(x, 2) for x in os.getloadavg()]
     served = "the model below" if args.serve else "demo model"
-    report["engine"] = ("`chainspec serve` (Ray: verifier + remote drafter actors, gateway; "
-                        f"{served}, K=3, CPU), streamed /v1/completions")
+    report["engine"] = (f"`chainspec serve` (Ray: verifier + {args.drafters} remote drafter "
+                        f"actor(s), gateway; {served}, K=3, CPU), streamed /v1/completions")
     if args.serve:
         report["counters"] = moved
         for side in ("off", "on"):  # over every repeat, from the verifiers' counter
@@ -258,9 +261,11 @@ def main_http(args, argv) -> int:
         report["model"] = (str(args.model) if args.model else
                            f"the demo checkpoint, max_position_embeddings "
                            f"{args.positions} (trained on 512)")
+        report["drafters"] = args.drafters
+    name = "prefix_cache_serve" + (f"_{args.drafters}_drafters" if args.drafters != 1 else "")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "prefix_cache_serve.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "prefix_cache_serve.md").write_text(markdown(report))
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown(report))
     print(json.dumps(report, indent=2))
     return 0 if report["identical"] else 1
 
@@ -300,7 +305,8 @@ MEMBER_COUNTERS = {"drafter": ("chainspec_drafter_prefix_cache_queries",
                                 "chainspec_spec_decode_num_draft_tokens",
                                 "chainspec_spec_decode_num_accepted_tokens",
                                 "chainspec_plain_decode_fallbacks",
-                                "chainspec_draft_resyncs")}
+                                "chainspec_draft_resyncs",
+                                "chainspec_draft_prefix_affine")}
 
 
 class Stack:
@@ -315,6 +321,7 @@ class Stack:
                     str(model_dir), "--max-model-len", str(max_len), "--port", "0",
                     "--max-num-seqs", str(max(args.chats, 8)),
                     "--namespace", f"prefix_cache_{name}_{os.getpid()}",
+                    "--drafters", str(args.drafters),
                     "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
         self.env = {**os.environ, "CHAINSPEC_STATE_DIR": str(state)}
         self.url = ""
@@ -433,7 +440,8 @@ def counters_markdown(r: dict) -> str:
              ("chainspec_spec_decode_num_draft_tokens", "draft tokens"),
              ("chainspec_spec_decode_num_accepted_tokens", "accepted tokens"),
              ("chainspec_plain_decode_fallbacks", "plain-decode fallbacks"),
-             ("chainspec_draft_resyncs", "drafter resyncs")]
+             ("chainspec_draft_resyncs", "drafter resyncs"),
+             ("chainspec_draft_prefix_affine", "hits sent to the drafter holding them")]
     c = r["counters"]
     rows = "".join(f"| {label} | {c['off'][k]:g} | {c['on'][k]:g} |\n" for k, label in names)
     mean = {side: 1 + c[side]["chainspec_spec_decode_num_accepted_tokens"] /
