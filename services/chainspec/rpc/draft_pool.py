@@ -7,9 +7,9 @@ called from the verifier engine's thread; one reader thread per stream deposits 
   live drafter with the fewest sequences; later updates follow it.
 - A sequence's first update past 0 that opens it from a prefix cache hit (its cache keys
   reach `start`, DESIGN 4.12) is assigned like a `start = 0` one, but to the drafter the
-  hit's last block key was sent to, while that one holds at most `AFFINITY_SLACK` (or a
-  quarter) more sequences than the least loaded: each drafter caches only the blocks it
-  computed, and a hit sent elsewhere is a miss, a resync and a dense recompute there.
+  hit's last block key was sent to, unless that one is far busier (`draft_affinity.py`):
+  each drafter caches only the blocks it computed, and a hit sent elsewhere is a miss,
+  a resync and a dense recompute there.
 - An update with `start != 0` whose drafter is gone, draining or removed is not sent: the
   pool answers FAILED_PRECONDITION itself, the verifier resyncs with `start = 0`, and
   that update goes to a live drafter. A drafter's UNAVAILABLE (draining) is passed on
@@ -31,7 +31,6 @@ import logging
 import random
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
 import grpc
@@ -48,6 +47,7 @@ from chainspec.engine.draft_types import (
 )
 from chainspec.rpc.channel import DEFAULT_CLIENT_OPTIONS, ClientOptions, make_channel
 from chainspec.rpc.codec import WireDType
+from chainspec.rpc.draft_affinity import PrefixAffinity
 from chainspec.rpc.draft_codec import (
     DRAFTER_SERVICE,
     DraftLimits,
@@ -72,9 +72,6 @@ RECONNECT_BASE_S = 0.1  # first reconnect delay; doubles per failed try up to th
 RECONNECT_MAX_S = 5.0
 STABLE_LINK_S = 5.0  # a stream that lived this long resets the backoff
 BUSY_HORIZON_S = 30.0  # a batch unanswered longer is lost, not worked on (`busy`)
-AFFINITY_KEYS = 32768  # drafter cache keys remembered with the drafter they were sent to
-AFFINITY_SLACK = 4  # a hit goes to its drafter unless that holds this many (or a quarter)
-# more sequences than the least loaded one
 
 
 class GrpcDraftClient:
@@ -109,7 +106,7 @@ class GrpcDraftClient:
         self._lost: set[int] = set()  # lost their drafter; the next one is a reassignment
         self._ready: dict[int, SeqOutcome] = {}
         self._ahead: dict[int, tuple[DraftAhead, ...]] = {}  # look-aheads (DESIGN 4.8)
-        self._key_sent_to: OrderedDict[bytes, str] = OrderedDict()  # cache key -> endpoint
+        self._affinity = PrefixAffinity()  # where each drafter cache key went
         self._batch_ids = itertools.count(1)
         self._closed = False
         if endpoints:
@@ -260,7 +257,7 @@ class GrpcDraftClient:
                 link = self._route(u)
                 if link is not None:
                     batches.setdefault(link, []).append(u)
-                    self._keys_sent(link, u, opens)
+                    self._affinity.sent(link.endpoint, u, opens)
             for link, batch in batches.items():
                 self._send(link, batch)
 
@@ -340,35 +337,12 @@ class GrpcDraftClient:
         if u.seq_id in self._lost:
             self._lost.discard(u.seq_id)
             self.stats.reassignments += 1
-        link = self._affine(u, live) or min(live, key=lambda link: len(link.seqs))
+        link = self._affinity.choose(u, live)
+        self.stats.affine_hits += link is not None
+        link = link or min(live, key=lambda link: len(link.seqs))
         self._owner[u.seq_id] = link
         link.seqs.add(u.seq_id)
         return link
-
-    def _affine(self, u: SeqUpdate, live: Sequence[Link]) -> Link | None:
-        """The live drafter that was sent the cache key `u` opens from, unless it holds
-        far more sequences than the least loaded one."""
-        if not u.opens_from_cache:
-            return None
-        key = next(key for end, key in u.cache_keys if end == u.start)
-        endpoint = self._key_sent_to.get(key)
-        link = next((link for link in live if link.endpoint == endpoint), None)
-        least = min(len(other.seqs) for other in live)
-        if link is None or len(link.seqs) > least + max(AFFINITY_SLACK, least // 4):
-            return None
-        self.stats.affine_hits += 1
-        return link
-
-    def _keys_sent(self, link: Link, u: SeqUpdate, opens: bool) -> None:
-        """Remember where the blocks `u` makes final go. NOTE: not the keys a hit opens
-        the sequence from (`opens`, end <= start): the drafter reads those, and may lack
-        them (a miss)."""
-        for end, key in u.cache_keys:
-            if end > u.start or not opens:
-                self._key_sent_to[key] = link.endpoint
-                self._key_sent_to.move_to_end(key)
-        while len(self._key_sent_to) > AFFINITY_KEYS:
-            self._key_sent_to.popitem(last=False)
 
     def _local(self, u: SeqUpdate, code: ErrorCode, message: str) -> None:
         expected = 0 if code is ErrorCode.FAILED_PRECONDITION else None
