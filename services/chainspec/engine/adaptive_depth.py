@@ -275,8 +275,8 @@ class AdaptiveDepth:
     def depths(self, keys: Sequence[Hashable], caps: Sequence[int],
                other_rows: int = 0, demand: int = 0) -> list[int]:
         cost = self.cost()
-        if cost is None:
-            return list(caps)
+        if cost is None or not any(caps):  # NOTE: nothing to draft is no plain decision
+            return list(caps)  # (a request's last token; requests capped at 0)
         n = len(caps)
         rates = [self.rates(k) for k in keys]
         # NOTE: the gate's batch size is the load's running mean: in a closed loop the

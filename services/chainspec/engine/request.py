@@ -125,6 +125,14 @@ class Request:
         return self.tokens[self.prompt_len:]
 
     @property
+    def draft_budget(self) -> int:
+        """Drafts a round can still commit before max_tokens: a window commits its
+        accepted drafts and one token more, so with r tokens left, r - 1. NOTE: at 32
+        output tokens and K=4 a sequence's last round verified ~2 drafts it could not
+        keep (the rows, and an expected-token count that overstated drafting's lead)."""
+        return max(0, self.stop.max_tokens - self.num_generated - 1)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

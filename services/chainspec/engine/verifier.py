@@ -253,8 +253,10 @@ class VerifierEngine(DraftProtocol):
     # -- draft depth (DESIGN 4.11) --------------------------------------------------------
     def _choose_depths(self, work: list[Work]) -> list[Work]:
         """Truncate each verify window's drafts to the depth chosen for it: the request's
-        cap, and under adaptive depth the policy's k. NOTE: fewer drafts only: every token
-        is still decided by the acceptance rule, so output cannot change."""
+        cap, and under adaptive depth the policy's k, to what the request can still
+        commit (`Request.draft_budget`: its expected tokens are the policy's yield).
+        NOTE: fewer drafts only: every token is still decided by the acceptance rule, so
+        output cannot change."""
         verify = [i for i, w in enumerate(work) if w.kind is WorkKind.VERIFY]
         caps = [work[i].request.max_drafts for i in verify]
         adaptive = self.depth is not None and self.drafter is not None
@@ -262,7 +264,9 @@ class VerifierEngine(DraftProtocol):
             other = sum(w.num_rows for w in work if w.kind is not WorkKind.VERIFY)
             keys = [self.seq_ids[work[i].request.request_id] for i in verify]
             demand = min(len(self.running) + len(self.waiting), self.config.max_seqs)
-            caps = self.depth.depths(keys, caps, other, demand)
+            caps = self.depth.depths(keys, [min(c, work[i].request.draft_budget)
+                                            for c, i in zip(caps, verify, strict=True)],
+                                     other, demand)
         out = list(work)
         drafting = any(caps)  # NOTE: a round runs anyway: every sequence that may draft asks
         if adaptive:  # a new prompt asks for drafts only while others draft (or none run)
