@@ -357,7 +357,7 @@ class AdaptiveDepth:
         rule that drafting's lead over plain falls as the batch grows (a verify row rides
         nearly free in a small batch). NOTE: a wave's tail (at c=16, the last 2-8
         sequences) judged by the load's step times went plain in its last 5-9 steps,
-        where 4 sequences draft 1.3x faster than plain."""
+        where 4 sequences draft 1.2x or more faster than plain."""
         for level in range(bucket(n), bucket(load)):
             figures = self.gate.measured_at(level)
             if figures is not None:
